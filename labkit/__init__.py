@@ -1,0 +1,2 @@
+"""labkit: helpers for the Multi-GPU Mistakes Lab notebooks."""
+__version__ = "0.1.0"
