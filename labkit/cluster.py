@@ -1,0 +1,298 @@
+"""What the course runs on: a real GPU node (NCCL) or an emulated cluster (CPU processes, gloo).
+
+`Cluster.detect()` reads the real machine; `Cluster.emulated(...)` describes a pretend one;
+`Cluster.resolve("auto" | "cpu" | "gpu" | Cluster, world_size)` is what `labkit.launch`
+uses to pick one, and it says which it picked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from labkit.emulate import Link, Topology
+
+# ------------------------------------------------------------------ default links
+#
+# Why these figures. The emulated link should cost as much *relative to this CPU's
+# compute* as a real link costs relative to a GPU's compute, so that a lab's ratio of
+# communication to computation looks like a GPU node's and not like a loopback socket's.
+#
+# Reference node: 8 x H100 SXM. Dense bf16 peak is 989 TFLOP/s per GPU (NVIDIA H100
+# datasheet); training runs reach about 40-50 % of it, call it 450 TFLOP/s. NVLink 4 gives
+# 450 GB/s per direction per GPU and NCCL's all-reduce bus bandwidth on such a node is about
+# 450 GB/s (nccl-tests on DGX H100), so about 1 byte of link per 1,000 FLOP. Between nodes
+# each GPU has one 400 Gb/s NDR InfiniBand port, 50 GB/s, so about 1 byte per 10,000 FLOP.
+#
+# One core of this CPU (each emulated GPU is one process on one core) reaches a measured
+# number of GFLOP/s in an fp32 matmul; the links get that many FLOP/s divided by 1,000 (intra)
+# and 10,000 (inter), in bytes per second. Latency is not scaled by the compute ratio (that
+# would give milliseconds per message): it is NCCL's few-microsecond latency multiplied by
+# ten, about the factor by which a PyTorch CPU op is slower to launch than a CUDA kernel.
+FLOP_PER_BYTE_INTRA = 1_000.0
+FLOP_PER_BYTE_INTER = 10_000.0
+LATENCY_US_INTRA = 50.0
+LATENCY_US_INTER = 200.0
+
+
+def measure_cpu_gflops(size: int = 512, repeats: int = 8) -> float:
+    """Median fp32 matmul GFLOP/s on one thread of this CPU (about 0.1 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(size, size)
+        b = torch.randn(size, size)
+        a @ b
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return 2 * size**3 / times[len(times) // 2] / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def default_links(cpu_gflops: float) -> tuple[Link, Link]:
+    """Intra-node and inter-node links scaled to this CPU as an H100 node's are to an H100."""
+    intra = Link(cpu_gflops * 1e9 / FLOP_PER_BYTE_INTRA / 1e9, LATENCY_US_INTRA, "emulated NVLink")
+    inter = Link(cpu_gflops * 1e9 / FLOP_PER_BYTE_INTER / 1e9, LATENCY_US_INTER, "emulated InfiniBand")
+    return intra, inter
+
+
+@dataclass(frozen=True)
+class GPU:
+    index: int
+    name: str
+    memory_gib: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A set of ranks, their nodes and links: real GPUs (`kind="gpu"`) or emulated (`"emulated"`)."""
+
+    kind: str
+    nodes: int
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    memory_gib: float | None = None
+    gpus: tuple[GPU, ...] = ()
+    topology_matrix: str = ""
+    cpu_gflops: float | None = None
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+    nccl_version: str | None = None
+    reason: str = ""
+
+    # -- construction ----------------------------------------------------------
+
+    @classmethod
+    def emulated(
+        cls,
+        nodes: int = 1,
+        gpus_per_node: int = 2,
+        intra_node: Link | None = None,
+        inter_node: Link | None = None,
+        memory_gib: float | None = None,
+    ) -> "Cluster":
+        """A pretend cluster of CPU processes. Links default to this CPU's scaled figures.
+
+        `memory_gib` is each rank's memory budget (None: no budget is enforced).
+        """
+        for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Cluster.emulated({name}={value!r}): must be a whole number >= 1, "
+                    f"e.g. Cluster.emulated(nodes=2, gpus_per_node=2)."
+                )
+        if memory_gib is not None and not memory_gib > 0:
+            raise ValueError(
+                f"Cluster.emulated(memory_gib={memory_gib!r}): the per-rank budget must be > 0 "
+                "(or None for no budget), e.g. memory_gib=0.25 for 256 MiB."
+            )
+        gflops = None
+        if intra_node is None or inter_node is None:
+            gflops = measure_cpu_gflops()
+            d_intra, d_inter = default_links(gflops)
+            intra_node = intra_node or d_intra
+            inter_node = inter_node or d_inter
+        return cls(
+            kind="emulated",
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            intra_node=intra_node,
+            inter_node=inter_node,
+            memory_gib=memory_gib,
+            cpu_gflops=gflops,
+        )
+
+    @classmethod
+    def detect(cls) -> "Cluster":
+        """The GPUs of this machine (name, memory), their topology and NCCL version.
+
+        With no GPU this returns a one-node cluster with no GPUs (`gpu_count == 0`).
+        """
+        gpus: list[GPU] = []
+        nccl = None
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                gpus.append(GPU(i, p.name, round(p.total_memory / 2**30, 1)))
+            try:
+                nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+            except Exception:  # a CUDA build without NCCL
+                nccl = None
+        matrix = _nvidia_smi_topo() if gpus else ""
+        intra = _guess_intra_link(matrix) if gpus else Link(1.0, 0.0, "none")
+        return cls(
+            kind="gpu",
+            nodes=1,
+            gpus_per_node=len(gpus),
+            intra_node=intra,
+            inter_node=Link(50.0, 5.0, "InfiniBand NDR 400 Gb/s (assumed)"),
+            gpus=tuple(gpus),
+            topology_matrix=matrix,
+            nccl_version=nccl,
+        )
+
+    @classmethod
+    def resolve(cls, spec: "Cluster | str", world_size: int) -> "Cluster":
+        """Turn `"auto" | "cpu" | "gpu" | Cluster` into a cluster able to hold `world_size` ranks.
+
+        "auto" takes NCCL with one process per GPU when this machine has at least two GPUs
+        and enough of them, else the emulated cluster; `reason` says which and why.
+        """
+        if isinstance(spec, Cluster):
+            cluster = spec
+        elif spec in ("cpu", "emulated"):
+            cluster = replace(cls.emulated(gpus_per_node=world_size), reason="asked for the emulated cluster")
+        elif spec in ("gpu", "auto"):
+            real = cls.detect()
+            n = real.gpu_count
+            if spec == "gpu" or (n >= 2 and n >= world_size):
+                cluster = replace(real, reason=f"{n} GPUs found: NCCL, one process per GPU")
+            else:
+                why = "no GPU found" if n == 0 else f"{n} GPU(s) found, {world_size} ranks asked"
+                cluster = replace(cls.emulated(gpus_per_node=world_size), reason=f"{why}: emulated cluster")
+        else:
+            raise ValueError(
+                f"cluster={spec!r} is not known; use 'auto', 'cpu' (emulated), 'gpu' "
+                "or a labkit.Cluster, e.g. Cluster.emulated(nodes=2, gpus_per_node=2)."
+            )
+        cluster.check_world_size(world_size)
+        return cluster
+
+    # -- facts -----------------------------------------------------------------
+
+    @property
+    def is_emulated(self) -> bool:
+        return self.kind == "emulated"
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the cluster holds (all GPUs of all nodes)."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.kind == "gpu" else "labkit_emulated (gloo + link model)"
+
+    @property
+    def label(self) -> str:
+        """Appended to every number measured on this cluster."""
+        return "emulated" if self.is_emulated else "measured on GPU"
+
+    def topology(self) -> Topology:
+        return Topology(max(1, self.gpus_per_node), self.intra_node, self.inter_node)
+
+    def check_world_size(self, world_size: int) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(
+                f"world_size={world_size!r} must be a whole number >= 1, e.g. launch(fn, world_size=2)."
+            )
+        if self.kind == "gpu" and world_size > self.gpu_count:
+            raise ValueError(
+                f"world_size={world_size} is larger than the {self.gpu_count} GPU(s) present; "
+                f"use world_size<={self.gpu_count}, or cluster='cpu' for the emulated cluster."
+            )
+        if self.kind == "emulated" and world_size > self.world_size:
+            raise ValueError(
+                f"world_size={world_size} is larger than the emulated cluster's {self.nodes} node(s) x "
+                f"{self.gpus_per_node} GPU(s) = {self.world_size} ranks; build a larger one, e.g. "
+                f"Cluster.emulated(nodes={self.nodes}, gpus_per_node={-(-world_size // self.nodes)})."
+            )
+
+    def describe(self) -> str:
+        """A few lines for a notebook or `labkit doctor`."""
+        lines = []
+        if self.is_emulated:
+            lines.append(
+                f"Emulated cluster: {self.nodes} node(s) x {self.gpus_per_node} emulated GPU(s); "
+                "one CPU process per GPU on gloo, links held to an α-β model."
+            )
+            lines.append(
+                f"  intra-node link: {self.intra_node.bandwidth_gb_s * 1000:.1f} MB/s, "
+                f"{self.intra_node.latency_us:.0f} µs ({self.intra_node.name or 'custom'})"
+            )
+            lines.append(
+                f"  inter-node link: {self.inter_node.bandwidth_gb_s * 1000:.1f} MB/s, "
+                f"{self.inter_node.latency_us:.0f} µs ({self.inter_node.name or 'custom'})"
+            )
+            if self.cpu_gflops:
+                lines.append(
+                    f"  links scaled from this CPU's {self.cpu_gflops:.1f} GFLOP/s per core "
+                    f"(1 byte per {FLOP_PER_BYTE_INTRA:,.0f} FLOP intra-node, {FLOP_PER_BYTE_INTER:,.0f} inter-node)"
+                )
+            budget = "none" if self.memory_gib is None else f"{self.memory_gib * 1024:.0f} MiB"
+            lines.append(f"  memory budget per rank: {budget}")
+        else:
+            lines.append(
+                f"GPU node: {self.gpu_count} GPU(s), NCCL {self.nccl_version or '?'}, torch {self.torch_version}"
+            )
+            for g in self.gpus:
+                lines.append(f"  cuda:{g.index} {g.name} {g.memory_gib} GiB")
+            if self.topology_matrix:
+                lines.append(self.topology_matrix)
+        if self.reason:
+            lines.append(f"  chosen because: {self.reason}")
+        return "\n".join(lines)
+
+    # -- passing to workers ----------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> "Cluster":
+        d = json.loads(raw)
+        d["intra_node"] = Link(**d["intra_node"])
+        d["inter_node"] = Link(**d["inter_node"])
+        d["gpus"] = tuple(GPU(**g) for g in d["gpus"])
+        return cls(**d)
+
+
+def _nvidia_smi_topo() -> str:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return ""
+    try:
+        return subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _guess_intra_link(matrix: str) -> Link:
+    """NVLink when `nvidia-smi topo -m` shows NV# between GPUs, else PCIe (datasheet figures)."""
+    if any(tok.startswith("NV") and tok[2:].isdigit() for tok in matrix.split()):
+        return Link(450.0, 3.0, "NVLink (from nvidia-smi topo -m)")
+    return Link(25.0, 5.0, "PCIe 4.0 x16 (from nvidia-smi topo -m)")

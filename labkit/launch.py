@@ -1,0 +1,574 @@
+"""Run one function on N ranks, from a notebook cell or a script, and get the results back.
+
+    results = labkit.launch(fn, x, world_size=2, cluster="auto", timeout_s=30)
+
+Each rank is a fresh process with the default process group initialised (NCCL on a GPU
+node, the emulated link over gloo otherwise); `fn(*args, **kwargs)` runs on every rank
+and the return values come back in rank order. What the ranks print comes back too,
+prefixed with the rank, after the ranks end, rank 0 first: ranks never print over
+each other.
+
+How the failure cases are handled:
+
+* A function defined in a notebook cell travels by value (cloudpickle); workers start from
+  a fork server that has imported torch but never touched CUDA, so starting is fast and
+  CUDA-safe (a forked CUDA context is unusable; see the CUDA semantics notes in PyTorch).
+* Ranks meet through a TCPStore that the parent binds on port 0 (the kernel picks a free
+  port, so there is no bind-then-close race and parallel launches cannot collide).
+* A rank that raises writes its exception and traceback and exits; the parent stops the
+  other ranks at once and raises `RankError` naming the rank, the original type, message
+  and traceback (the original exception is the `__cause__`).
+* A rank that dies (exit code, signal) is named with its code or signal.
+* A collective that never completes (one rank skipped it, or the shapes differ) ends in
+  gloo's timeout; each rank leaves a record of its collectives in the store, and the error
+  names the operation and the rank that is missing or mismatched. If the other ranks have
+  already ended, the stragglers get `timeout_s` plus a few seconds, then are stopped.
+* Ctrl-C / a kernel interrupt kills every rank before the exception propagates. Workers
+  also die with the parent, even on SIGKILL: PR_SET_PDEATHSIG plus a watchdog thread.
+
+Under `torchrun` (RANK, WORLD_SIZE and the rendezvous variables are set), `launch` runs
+`fn` in the current process instead, so the same experiment scales to several nodes with
+torchrun's own rendezvous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from labkit import emulate
+from labkit.cluster import Cluster
+
+CLUSTER_ENV = "LABKIT_CLUSTER"
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launch"]
+_GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
+
+
+class RankError(RuntimeError):
+    """A rank failed: it raised, died, or hung in a collective."""
+
+    def __init__(
+        self, message: str, *, rank: int, kind: str, exc_type: str | None = None, remote_traceback: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.kind = kind  # "raised" | "died" | "hung"
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+# ------------------------------------------------------------------- inside a rank
+
+
+def current_cluster() -> Cluster | None:
+    """The cluster this rank was launched on (None outside `labkit.launch`)."""
+    raw = os.environ.get(CLUSTER_ENV)
+    return Cluster.from_json(raw) if raw else None
+
+
+def device() -> torch.device:
+    """This rank's device: `cuda:LOCAL_RANK` on a GPU cluster, else the CPU."""
+    cluster = current_cluster()
+    if torch.cuda.is_available() and (cluster is None or not cluster.is_emulated):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def _watch_launcher(pid: int) -> None:
+    """Exit when the launching process is gone (covers the fork server's own parent)."""
+
+    def loop() -> None:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+            time.sleep(0.5)
+
+    threading.Thread(target=loop, name="labkit-watchdog", daemon=True).start()
+
+
+def _to_cpu(value: Any) -> Any:
+    """Detach tensors and move them to the CPU so the parent can unpickle without CUDA."""
+    return torch.utils._pytree.tree_map(
+        lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value
+    )
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _finish_record(status: str) -> None:
+    if dist.is_initialized() and isinstance(dist.group.WORLD, emulate.EmulatedProcessGroup):
+        dist.group.WORLD.record.finish(status)
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    payload: bytes,
+    port: int,
+    run_dir: str,
+    launcher_pid: int,
+    cluster_json: str,
+    timeout_s: float,
+    env: dict[str, str],
+) -> None:
+    _set_parent_death_signal()
+    _watch_launcher(launcher_pid)
+    out = Path(run_dir)
+    # One log per rank at the file-descriptor level, so C++ warnings are captured too.
+    log_fd = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+
+    os.environ.update(env)  # the fork server started with an older environment
+    cluster = Cluster.from_json(cluster_json)
+    local_rank = rank % max(1, cluster.gpus_per_node)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(min(world_size, max(1, cluster.gpus_per_node))),
+            CLUSTER_ENV: cluster_json,
+            emulate.TOPOLOGY_ENV: emulate.topology_to_env(cluster.topology()),
+            emulate.RECORD_DIR_ENV: run_dir,
+        }
+    )
+    store = None
+    status = 1
+    try:
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        if cluster.is_emulated:
+            # Each emulated GPU gets its share of the cores, as each real GPU is its own device.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            backend = emulate.register_backend()
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("pg", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        else:
+            torch.cuda.set_device(local_rank)
+            if cluster.memory_gib:
+                total = torch.cuda.get_device_properties(local_rank).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cluster.memory_gib * 2**30 / total))
+            dist.init_process_group(
+                "nccl",
+                store=dist.PrefixStore("pg", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+                device_id=torch.device("cuda", local_rank),
+            )
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if cluster.is_emulated and cluster.memory_gib:
+            with emulate.MemoryBudget(int(cluster.memory_gib * 2**30), rank=rank):
+                result = fn(*args, **kwargs)
+        else:
+            result = fn(*args, **kwargs)
+        _write_atomic(out / f"rank{rank}.result", cloudpickle.dumps({"ok": True, "value": _to_cpu(result)}))
+        status = 0
+    except BaseException as exc:  # noqa: BLE001 (report everything, even SystemExit)
+        try:
+            pickled = cloudpickle.dumps(exc)
+            cloudpickle.loads(pickled)
+        except Exception:
+            pickled = None
+        info = {
+            "ok": False,
+            "type": type(exc).__name__,
+            "module": type(exc).__module__,
+            "message": str(exc),
+            "traceback": traceback.format_exc(),
+            "exception": pickled,
+        }
+        _write_atomic(out / f"rank{rank}.result", cloudpickle.dumps(info))
+    finally:
+        with contextlib.suppress(Exception):
+            _finish_record("returned" if status == 0 else "raised")
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        if status == 0:
+            with contextlib.suppress(Exception):
+                emulate.close_groups()
+        # Leave without interpreter teardown: completion threads and gloo sockets still
+        # open at teardown made workers abort (DESIGN.md, measured facts).
+        os._exit(status)
+
+
+# -------------------------------------------------------------------- the parent
+
+
+@dataclass
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    info: dict | None = None
+    exitcode: int | None = None
+
+
+def _mp_context() -> mp.context.BaseContext:
+    if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_under_torchrun(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> list:
+    """torchrun started this process as one rank: run here, gather every rank's result."""
+    created = not dist.is_initialized()
+    if created:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        value = _to_cpu(fn(*args, **kwargs))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"launch(fn=...) needs a function, got {type(fn).__name__}: {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"world_size={world_size!r} must be a whole number >= 1, e.g. launch(fn, world_size=2)."
+        )
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0, e.g. timeout_s=30.")
+
+
+def _stop(procs: list, grace_s: float = 1.0) -> None:
+    """SIGTERM every live rank, then SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.is_alive():
+            with contextlib.suppress(Exception):
+                p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            with contextlib.suppress(Exception):
+                p.kill()
+            p.join(5)
+
+
+def _read_outcome(rank: int, proc, run_dir: Path) -> _Outcome:
+    path = run_dir / f"rank{rank}.result"
+    if path.exists():
+        data = cloudpickle.loads(path.read_bytes())
+        if data["ok"]:
+            return _Outcome(rank, True, value=data["value"], exitcode=proc.exitcode)
+        return _Outcome(rank, False, info=data, exitcode=proc.exitcode)
+    return _Outcome(rank, False, info=None, exitcode=proc.exitcode)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "was stopped"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} ({-code})"
+    return f"exited with code {code}"
+
+
+_COMM_ERROR_WORDS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "gloo",
+    "nccl",
+    "mismatch",
+    "size",
+    "peer",
+)
+
+
+def _looks_like_comm_error(info: dict) -> bool:
+    text = (info.get("message") or "").lower()
+    return info.get("type") in ("RuntimeError", "DistBackendError", "DistNetworkError", "DistError") and any(
+        w in text for w in _COMM_ERROR_WORDS
+    )
+
+
+def _read_records(run_dir: Path, world_size: int) -> dict[int, dict]:
+    """Each rank's collective record, from the files the emulated process group keeps."""
+    records = {}
+    for r in range(world_size):
+        rec = emulate.CollectiveRecord.read(str(run_dir / f"record{r}.json"))
+        if rec is not None:
+            records[r] = rec
+    return records
+
+
+def _fmt_op(e: dict | None) -> str:
+    if not e:
+        return "no collective"
+    shapes = ", ".join("x".join(str(d) for d in s) or "scalar" for s in e.get("shapes", []))
+    return f"{e['op']} #{e['seq']} ({e.get('dtype', '')}[{shapes}])"
+
+
+_STATUS_WORDS = {"returned": "returned from fn", "raised": "raised", "running": "was running elsewhere"}
+
+
+def diagnose_hang(records: dict[int, dict], world_size: int) -> tuple[str, int | None] | None:
+    """From each rank's collective record, say which operation hung and which rank is at fault."""
+    pending = {r: rec["pending"][0] for r, rec in records.items() if rec.get("pending")}
+    if not pending:
+        return None
+    stuck_rank, op = min(pending.items(), key=lambda kv: kv[1]["seq"])
+    lines = [f"{_fmt_op(op)} on rank {stuck_rank} never completed."]
+    culprit = None
+    for r in range(world_size):
+        if r == stuck_rank:
+            continue
+        rec = records.get(r)
+        if rec is None:
+            lines.append(f"rank {r} left no record of its collectives.")
+            culprit = r if culprit is None else culprit
+            continue
+        other = rec["pending"][0] if rec.get("pending") else None
+        if other is None:
+            done = rec.get("count", 0)
+            lines.append(
+                f"rank {r} {_STATUS_WORDS.get(rec.get('status'), 'stopped')} after "
+                f"{done} collective(s) (last: {_fmt_op(rec.get('last'))}) and never called "
+                f"{op['op']} #{op['seq']}: rank {r} is missing."
+            )
+            culprit = r if culprit is None else culprit
+        elif (
+            other["seq"] != op["seq"]
+            or other["op"] != op["op"]
+            or other["shapes"] != op["shapes"]
+            or other["dtype"] != op["dtype"]
+        ):
+            lines.append(
+                f"rank {r} was in {_fmt_op(other)} at the same time: mismatched collective "
+                f"(op, order, shape or dtype differ between rank {stuck_rank} and rank {r})."
+            )
+            culprit = r if culprit is None else culprit
+        else:
+            lines.append(f"rank {r} was waiting in the same {_fmt_op(other)}.")
+    lines.append(
+        "Every rank must call the same collectives, in the same order, with the same shapes and dtypes."
+    )
+    return "\n".join(lines), culprit
+
+
+def _error_for(first: _Outcome, records: dict[int, dict], world_size: int, others: list[str]) -> RankError:
+    tail = f"\n(other ranks: {'; '.join(others)})" if others else ""
+    info = first.info
+    if info is None:
+        header = f"rank {first.rank} {_describe_exit(first.exitcode)} without returning a result (see its output above)."
+    else:
+        header = f"rank {first.rank} raised {info['type']}: {info['message']}"
+    # A rank that died, or whose collective failed, may be the victim of a peer that skipped
+    # or mismatched a collective: the records say which.
+    diag = diagnose_hang(records, world_size) if info is None or _looks_like_comm_error(info) else None
+    trace = info["traceback"] if info else ""
+    if diag is not None:
+        text, culprit = diag
+        return RankError(
+            f"collective hang or mismatch.\n{text}\n\n{header}{tail}",
+            rank=culprit if culprit is not None else first.rank,
+            kind="hung",
+            exc_type=info["type"] if info else None,
+            remote_traceback=trace,
+        )
+    if info is None:
+        return RankError(header + tail, rank=first.rank, kind="died")
+    msg = f"{header}\n\n--- traceback from rank {first.rank} ---\n{trace.rstrip()}"
+    return RankError(
+        msg + tail, rank=first.rank, kind="raised", exc_type=info["type"], remote_traceback=trace
+    )
+
+
+def _print_logs(run_dir: Path, world_size: int, stream) -> None:
+    for r in range(world_size):
+        path = run_dir / f"rank{r}.log"
+        if not path.exists():
+            continue
+        text = path.read_text(errors="replace")
+        for line in text.splitlines():
+            print(f"[rank {r}] {line}", file=stream)
+    stream.flush()
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    cluster: Cluster | str = "auto",
+    timeout_s: float = 30.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results in rank order.
+
+    `cluster`: "auto" (NCCL if this machine has enough GPUs, else emulated), "cpu", "gpu",
+    or a `labkit.Cluster`. `timeout_s` bounds every collective and the rendezvous.
+    Raises `RankError` when a rank raises, dies or hangs; bad arguments raise before any
+    process starts.
+    """
+    _validate(fn, world_size, timeout_s)
+    if _under_torchrun():
+        return _run_under_torchrun(fn, args, kwargs, float(timeout_s))
+    resolved = Cluster.resolve(cluster, world_size)
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(
+            f"launch could not send fn and its arguments to the ranks ({exc}); "
+            "pass plain data, tensors and functions, not open files or locks."
+        ) from exc
+
+    ctx = _mp_context()
+    run_dir = Path(tempfile.mkdtemp(prefix="labkit-launch-"))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=float(timeout_s))
+    )
+    env = dict(os.environ)
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            name=f"labkit-rank{r}",
+            daemon=True,
+            args=(
+                r,
+                world_size,
+                payload,
+                store.port,
+                str(run_dir),
+                os.getpid(),
+                resolved.to_json(),
+                float(timeout_s),
+                env,
+            ),
+        )
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s))
+    except BaseException:
+        _stop(procs, grace_s=0.5)
+        raise
+    finally:
+        _stop(procs)
+        _print_logs(run_dir, world_size, sys.stdout)
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.close()
+        del store
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return outcomes
+
+
+def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) -> list[Any]:
+    outcomes: dict[int, _Outcome] = {}
+    first_end: float | None = None
+    by_sentinel = {p.sentinel: r for r, p in enumerate(procs)}
+    while len(outcomes) < world_size:
+        alive = [p.sentinel for r, p in enumerate(procs) if r not in outcomes]
+        ready = mp.connection.wait(alive, timeout=0.1)
+        for s in ready:
+            r = by_sentinel[s]
+            procs[r].join()
+            outcomes[r] = _read_outcome(r, procs[r], run_dir)
+            first_end = first_end or time.monotonic()
+        failed = [o for o in outcomes.values() if not o.ok]
+        if failed:
+            first = failed[0]
+            _stop([p for r, p in enumerate(procs) if r not in outcomes], grace_s=0.2)
+            records = _read_records(run_dir, world_size)
+            others = [
+                f"rank {o.rank} "
+                + (
+                    "returned"
+                    if o.ok
+                    else f"failed ({o.info['type']})"
+                    if o.info
+                    else _describe_exit(o.exitcode)
+                )
+                for o in sorted(outcomes.values(), key=lambda o: o.rank)
+                if o is not first
+            ]
+            stopped = [r for r in range(world_size) if r not in outcomes]
+            others += [f"rank {r} stopped" for r in stopped]
+            err = _error_for(first, records, world_size, others)
+            original = None
+            if first.info is not None and first.info.get("exception") is not None:
+                with contextlib.suppress(Exception):
+                    original = cloudpickle.loads(first.info["exception"])
+            raise err from original
+        if first_end is not None and time.monotonic() - first_end > timeout_s + _GRACE_S:
+            # Some ranks returned long ago; the rest are stuck where gloo's timeout did not fire.
+            waiting = [r for r in range(world_size) if r not in outcomes]
+            _stop([procs[r] for r in waiting], grace_s=0.2)
+            records = _read_records(run_dir, world_size)
+            diag = diagnose_hang(records, world_size)
+            text = diag[0] if diag else "no collective record was left"
+            raise RankError(
+                f"rank(s) {waiting} still running {timeout_s + _GRACE_S:.0f} s after the other ranks ended; "
+                f"they were stopped.\n{text}",
+                rank=waiting[0],
+                kind="hung",
+            )
+    return [outcomes[r].value for r in range(world_size)]
