@@ -1,0 +1,239 @@
+"""`labkit doctor | run | build | report`: the course from a terminal or CI.
+
+    labkit doctor                      what this machine is, and a 2-rank smoke test
+    labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs/latest] [-p KEY VALUE]
+                                       execute the solution notebooks, write the report
+    labkit build [--check]             write labs/ from solutions/ (or check it is current)
+    labkit report RUN_DIR              rewrite the report of an earlier run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _root(arg: str | None) -> Path:
+    """The course folder: --root, else the current folder if it holds solutions/, else the checkout."""
+    if arg:
+        return Path(arg).resolve()
+    cwd = Path.cwd()
+    if (cwd / "solutions").is_dir():
+        return cwd
+    return Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------- doctor
+
+
+def _smoke(world_size: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.full((1024,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    from labkit.cluster import Cluster
+    from labkit.launch import launch
+
+    print(f"python    {platform.python_version()} on {platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores")
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        print(f"memory    {mem:.1f} GiB")
+    except (ValueError, OSError, AttributeError):
+        pass
+    print(f"torch     {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    real = Cluster.detect()
+    if real.gpu_count:
+        print(real.describe())
+    else:
+        print("GPUs      none found")
+    cluster = Cluster.resolve(args.cluster, 2)
+    print(cluster.describe())
+    t0 = time.perf_counter()
+    try:
+        result = launch(_smoke, 2, world_size=2, cluster=cluster, timeout_s=60)
+    except Exception as exc:  # report, do not crash: the verdict is the point
+        print(f"smoke test: 2-rank all_reduce FAILED: {exc}")
+        print("verdict: NOT READY - the 2-rank all-reduce failed; see the error above.")
+        return EXIT_FAILED
+    seconds = time.perf_counter() - t0
+    ok = result == [3.0, 3.0]
+    print(f"smoke test: 2-rank all_reduce -> {result} in {seconds:.1f} s ({'ok' if ok else 'WRONG, expected [3.0, 3.0]'})")
+    if not ok:
+        print("verdict: NOT READY - the all-reduce returned a wrong sum.")
+        return EXIT_FAILED
+    if cluster.is_emulated:
+        print("verdict: READY (emulated) - no usable GPUs, so labs run on CPU processes with modelled links; "
+              "every number they print is labelled emulated.")
+    else:
+        print(f"verdict: READY (GPU) - {cluster.gpu_count} GPUs on NCCL.")
+    return 0
+
+
+# ---------------------------------------------------------------------- run
+
+
+def _parse_params(pairs: list[list[str]] | None) -> dict:
+    params = {}
+    for key, raw in pairs or []:
+        try:
+            params[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key] = raw  # a bare word stays a string
+    return params
+
+
+def _select(solutions: Path, lab: str | None) -> list[Path]:
+    notebooks = sorted(solutions.glob("[0-9][0-9]_*.ipynb"))
+    if lab is not None:
+        chosen = [nb for nb in notebooks if nb.name.startswith(f"{int(lab):02d}_")] if lab.isdigit() else []
+        if not chosen:
+            names = ", ".join(nb.name[:2] for nb in notebooks) or "none"
+            raise SystemExit(f"labkit run: no lab {lab!r} in {solutions}; labs present: {names}")
+        return chosen
+    return notebooks
+
+
+def run(args: argparse.Namespace) -> int:
+    import papermill
+
+    from labkit.records import read_records
+    from labkit.report import write_report
+
+    root = _root(args.root)
+    solutions = root / "solutions"
+    if not solutions.is_dir():
+        print(f"labkit run: no solutions/ folder in {root}; run from the course checkout or pass --root.", file=sys.stderr)
+        return EXIT_USAGE
+    notebooks = _select(solutions, args.lab)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    params = {"cluster": args.cluster, **_parse_params(args.param)}
+    results = []
+    failed = []
+    for i, nb in enumerate(notebooks, 1):
+        lab = nb.stem
+        target = out / nb.name
+        print(f"[{i}/{len(notebooks)}] {lab}: running with {params} ...", flush=True)
+        t0 = time.perf_counter()
+        entry: dict = {"lab": lab, "notebook": str(target), "parameters": params}
+        try:
+            papermill.execute_notebook(
+                str(nb),
+                str(target),
+                parameters=params,
+                cwd=str(out),
+                kernel_name=args.kernel,
+                execution_timeout=args.cell_timeout,
+                progress_bar=not args.quiet,
+                log_output=False,
+            )
+            entry["status"] = "passed"
+        except papermill.PapermillExecutionError as exc:
+            entry["status"] = "failed"
+            entry["error"] = f"cell {exc.cell_index} (execution {exc.exec_count}): {exc.ename}: {exc.evalue}"
+        except Exception as exc:  # timeouts, a dead kernel
+            entry["status"] = "failed"
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        entry["records"] = read_records(target) if target.exists() else {}
+        results.append(entry)
+        verdict = "passed" if entry["status"] == "passed" else f"FAILED at {entry['error']}"
+        print(f"[{i}/{len(notebooks)}] {lab}: {verdict} in {entry['seconds']} s", flush=True)
+        if entry["status"] != "passed":
+            failed.append(f"{lab} {entry['error']}")
+    json_path, md_path = write_report(out, results)
+    print(f"report: {md_path} (and {json_path.name})")
+    if failed:
+        print("labkit run: failed: " + "; ".join(failed), file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    from labkit.report import write_report
+
+    run_dir = Path(args.run_dir)
+    previous = run_dir / "report.json"
+    if not previous.exists():
+        print(f"labkit report: {previous} not found; run `labkit run --out {run_dir}` first.", file=sys.stderr)
+        return EXIT_USAGE
+    data = json.loads(previous.read_text())
+    results = data.get("labs", data) if isinstance(data, dict) else data
+    json_path, md_path = write_report(run_dir, results)
+    print(f"report: {md_path}")
+    return 0
+
+
+# -------------------------------------------------------------------- build
+
+
+def build(args: argparse.Namespace) -> int:
+    from labkit import notebooks
+
+    root = _root(args.root)
+    solutions, labs = root / "solutions", root / "labs"
+    if args.check:
+        problems = notebooks.check(solutions, labs)
+        for p in problems:
+            print(p)
+        if problems:
+            print("labs/ is out of date: run `labkit build`.", file=sys.stderr)
+            return EXIT_FAILED
+        print("labs/ is up to date.")
+        return 0
+    written = notebooks.build(solutions, labs)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="labkit", description="Multi-GPU Mistakes Lab tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="hardware, backend, versions and a 2-rank smoke test")
+    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"])
+    p.set_defaults(func=doctor)
+
+    p = sub.add_parser("run", help="execute the solution notebooks with papermill and write a report")
+    p.add_argument("--lab", help="only this lab, by number (e.g. 00)")
+    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"])
+    p.add_argument("--out", default="runs/latest", help="folder for executed notebooks and the report")
+    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                   help="notebook parameter (JSON value or a bare word), repeatable")
+    p.add_argument("--cell-timeout", type=int, default=600, help="seconds one cell may run")
+    p.add_argument("--kernel", default="python3")
+    p.add_argument("--root", help="course folder holding solutions/ (default: here or the checkout)")
+    p.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
+    p.set_defaults(func=run)
+
+    p = sub.add_parser("build", help="write labs/ from solutions/")
+    p.add_argument("--check", action="store_true", help="fail when labs/ is stale instead of writing")
+    p.add_argument("--root")
+    p.set_defaults(func=build)
+
+    p = sub.add_parser("report", help="rewrite the report of a run folder")
+    p.add_argument("run_dir")
+    p.set_defaults(func=report)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

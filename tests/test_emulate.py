@@ -1,0 +1,215 @@
+"""The emulated cluster: link timing, DDP and pipelining over it, the memory budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import labkit
+from labkit import Cluster, Link, MemoryBudget, launch
+from labkit.emulate import collective_time_s
+
+
+def _cluster(bw: float = 1.0, latency_us: float = 10.0, nodes: int = 1, gpus_per_node: int = 2, **kw) -> Cluster:
+    return Cluster.emulated(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        intra_node=Link(bw, latency_us),
+        inter_node=Link(bw / 10, latency_us * 10),
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------ time model
+
+
+def test_ring_formulas():
+    link = Link(bandwidth_gb_s=1.0, latency_us=0.0)
+    n_bytes = 1_000_000_000
+    assert collective_time_s("all_reduce", n_bytes, 2, link) == pytest.approx(1.0)  # 2(n-1)/n = 1
+    assert collective_time_s("all_reduce", n_bytes, 4, link) == pytest.approx(1.5)  # 2*3/4
+    assert collective_time_s("all_gather", n_bytes, 4, link) == pytest.approx(0.75)  # (n-1)/n
+    assert collective_time_s("broadcast", n_bytes, 8, link) == pytest.approx(1.0)
+    assert collective_time_s("all_reduce", n_bytes, 1, link) == 0.0
+    lat = Link(bandwidth_gb_s=1e9, latency_us=10.0)
+    assert collective_time_s("all_reduce", 0, 4, lat) == pytest.approx(6 * 10e-6)  # 2(n-1) steps
+
+
+def test_bad_link_is_refused():
+    with pytest.raises(ValueError, match="bandwidth_gb_s=0"):
+        Link(0.0)
+    with pytest.raises(ValueError, match="nodes=0"):
+        Cluster.emulated(nodes=0)
+
+
+def _time_allreduce(mib: int, iters: int) -> list[float]:
+    t = torch.ones(mib * 2**18)
+    dist.all_reduce(t)  # warm the connections
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    assert t[0].item() == 2 ** (iters + 1)  # the data really moved and summed
+    return times
+
+
+def test_allreduce_takes_the_modelled_time():
+    times = launch(_time_allreduce, 64, 5, world_size=2, cluster=_cluster(bw=1.0, latency_us=10.0))
+    median = sorted(times[0])[len(times[0]) // 2]
+    model = collective_time_s("all_reduce", 64 * 2**20, 2, Link(1.0, 10.0))
+    assert median == pytest.approx(model, rel=0.20), f"median {median * 1e3:.1f} ms vs model {model * 1e3:.1f} ms"
+
+
+def _async_overlaps(mib: int) -> tuple[float, float]:
+    t = torch.ones(mib * 2**18)
+    dist.barrier()
+    start = time.perf_counter()
+    work = dist.all_reduce(t, async_op=True)
+    issued = time.perf_counter() - start
+    work.wait()
+    return issued, time.perf_counter() - start
+
+
+def test_async_collective_returns_at_once_and_completes_later():
+    (issued, total), _ = launch(_async_overlaps, 16, world_size=2, cluster=_cluster(bw=0.25))
+    assert issued < total / 5  # returned long before the modelled transfer ended
+    assert total >= collective_time_s("all_reduce", 16 * 2**20, 2, Link(0.25, 10.0)) * 0.95
+
+
+def _crosses_nodes() -> float:
+    t = torch.ones(2**20)
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(t)
+    return time.perf_counter() - start
+
+
+def test_slowest_link_decides():
+    intra = launch(_crosses_nodes, world_size=2, cluster=_cluster(bw=0.2, nodes=1, gpus_per_node=2))[0]
+    inter = launch(_crosses_nodes, world_size=2, cluster=_cluster(bw=0.2, nodes=2, gpus_per_node=1))[0]
+    # the inter-node link is 10x slower in _cluster, and a 2-node all-reduce must cross it
+    assert inter == pytest.approx(collective_time_s("all_reduce", 4 * 2**20, 2, Link(0.02, 100.0)), rel=0.2)
+    assert inter > 3 * intra
+
+
+# ------------------------------------------------------------ DDP and pipelining
+
+
+def _make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _ddp_train(steps: int) -> list[torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _data(step)
+        shard = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        loss = nn.functional.mse_loss(ddp(x[shard]), y[shard])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_ddp_over_the_emulated_link_matches_single_process():
+    per_rank = launch(_ddp_train, 5, world_size=2, cluster=_cluster(bw=0.5))
+    ref = _make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(5):
+        x, y = _data(step)
+        loss = nn.functional.mse_loss(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for params in per_rank:
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p, q.detach(), atol=1e-5, rtol=1e-5)
+
+
+def _pipeline_step() -> float | None:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    part = full[:2] if rank == 0 else full[2:]
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda out, tgt: out.pow(2).mean())
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    if rank == 0:
+        schedule.step(x)
+        return None
+    losses: list = []
+    schedule.step(target=torch.zeros(8, 8), losses=losses)
+    return float(torch.stack(losses).mean())
+
+
+def test_pipelining_runs_over_the_emulated_link():
+    out = launch(_pipeline_step, world_size=2, cluster=_cluster(bw=0.5))
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    expected = torch.stack([full(c).pow(2).mean() for c in x.chunk(4)]).mean().item()
+    assert out[0] is None and out[1] == pytest.approx(expected, rel=1e-5)
+
+
+# ----------------------------------------------------------------- memory budget
+
+
+def test_budget_raises_a_cuda_like_oom_and_frees():
+    budget = MemoryBudget(4 * 2**20, rank=3)
+    with budget:
+        a = torch.zeros(2**19)  # 2 MiB
+        assert labkit.memory_allocated() == 2 * 2**20
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.zeros(2**20)  # 4 MiB more
+        msg = str(info.value)
+        assert "Tried to allocate 4.00 MiB" in msg and "Rank 3" in msg and "4.00 MiB" in msg
+        assert "2.00 MiB is free" in msg
+        del a
+        assert labkit.memory_allocated() == 0
+        b = torch.zeros(2**19) + 1  # two 2 MiB tensors alive at once at most
+        del b
+        assert labkit.max_memory_allocated() == 4 * 2**20
+
+
+def test_budget_counts_views_once_and_tracks_existing_tensors():
+    model = nn.Linear(256, 256)  # made before the budget starts
+    with MemoryBudget(2**30) as budget:
+        budget.track(model)
+        params = sum(p.numel() * 4 for p in model.parameters())
+        assert budget.allocated == params
+        x = torch.zeros(1024)
+        _ = x.view(32, 32), x[:10]
+        assert budget.allocated == params + 4096
+
+
+def _oom_training(batch: int) -> int:
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    x = torch.randn(batch, 512)
+    model(x).sum().backward()
+    return batch
+
+
+def test_budget_through_launch_names_the_rank():
+    small = _cluster(bw=1.0, memory_gib=16 / 1024)  # 16 MiB per rank; params + grads take 8
+    assert launch(_oom_training, 8, world_size=2, cluster=small) == [8, 8]
+    with pytest.raises(labkit.RankError) as info:
+        launch(_oom_training, 4096, world_size=2, cluster=small)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert "out of memory" in str(info.value)

@@ -1,0 +1,328 @@
+"""labkit.launch: results, notebook-defined functions, every failure case, interrupts, leaks."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit import Cluster, RankError, launch
+
+CPU = "cpu"
+
+
+# -------------------------------------------------------------- worker functions
+
+
+def _sum_ranks(offset: int) -> float:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item() + offset
+
+
+def _raise_on_rank1() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError(f"bad value on purpose at {time.time()!r}")
+    t = torch.ones(2)
+    dist.all_reduce(t)  # rank 0 waits here until it is stopped
+    return 0
+
+
+def _die_on_rank1(how: str) -> None:
+    if dist.get_rank() == 1:
+        if how == "exit":
+            os._exit(3)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "segv":
+            ctypes.string_at(0)
+    time.sleep(60)
+
+
+def _skip_collective_on_rank1() -> int:
+    t = torch.ones(4)
+    dist.broadcast(t, 0)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    return 0
+
+
+def _shape_mismatch() -> int:
+    t = torch.ones(4 if dist.get_rank() == 0 else 8)
+    dist.all_reduce(t)
+    return 0
+
+
+def _print_lines(n: int) -> int:
+    for i in range(n):
+        print(f"line {i} of rank {dist.get_rank()}", flush=i % 2 == 0)
+    print("to stderr", file=sys.stderr)
+    return dist.get_rank()
+
+
+def _sleep_and_report_pid(path: str) -> None:
+    with open(f"{path}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); read its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _read_pids(base: str, n: int, seconds: float = 30) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            return [int(open(f"{base}.{r}").read()) for r in range(n)]
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    raise AssertionError("workers never wrote their pids")
+
+
+# -------------------------------------------------------------------- results
+
+
+def test_results_in_rank_order():
+    assert launch(_sum_ranks, 10, world_size=2, cluster=CPU) == [13.0, 13.0]
+    assert launch(lambda: dist.get_rank() * 10, world_size=3, cluster=CPU) == [0, 10, 20]
+
+
+def test_function_defined_in_a_notebook_cell_travels_by_value():
+    # A notebook cell's function lives in __main__ of the kernel, which workers cannot
+    # import; exec into a fresh namespace reproduces that.
+    ns: dict = {}
+    exec(
+        textwrap.dedent(
+            """
+            import torch, torch.distributed as dist
+            SCALE = 3.0
+            def cell_fn(x):
+                t = torch.tensor([x * SCALE])
+                dist.all_reduce(t)
+                return t.item()
+            """
+        ),
+        ns,
+    )
+    assert launch(ns["cell_fn"], 2.0, world_size=2, cluster=CPU) == [12.0, 12.0]
+
+
+def test_tensor_results_and_rank_info():
+    def info():
+        return {"rank": dist.get_rank(), "device": str(labkit.device()), "emulated": labkit.current_cluster().is_emulated}
+
+    out = launch(info, world_size=2, cluster=CPU)
+    assert out == [{"rank": 0, "device": "cpu", "emulated": True}, {"rank": 1, "device": "cpu", "emulated": True}]
+
+
+def test_output_comes_back_prefixed_in_rank_order(capfd):
+    launch(_print_lines, 5, world_size=2, cluster=CPU)
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[rank")]
+    ranks = [int(line.split("]")[0].split()[1]) for line in lines]
+    assert ranks == sorted(ranks), "rank 0's lines come before rank 1's"
+    for r in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[rank {r}] ")]
+        assert [m for m in mine if "line" in m] == [f"[rank {r}] line {i} of rank {r}" for i in range(5)]
+        assert f"[rank {r}] to stderr" in mine
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"world_size": 0}, ["world_size=0", ">= 1"]),
+        ({"world_size": -2}, ["world_size=-2"]),
+        ({"world_size": "2"}, ["world_size='2'"]),
+        ({"world_size": 2, "cluster": "tpu"}, ["cluster='tpu'", "'auto'", "'cpu'"]),
+        ({"world_size": 2, "timeout_s": 0}, ["timeout_s=0"]),
+        ({"world_size": 5, "cluster": "emulated-small"}, ["world_size=5", "2 GPU(s)", "Cluster.emulated"]),
+    ],
+)
+def test_bad_input_fails_before_spawning(kwargs, words):
+    if kwargs.get("cluster") == "emulated-small":
+        kwargs["cluster"] = Cluster.emulated(nodes=1, gpus_per_node=2, intra_node=labkit.Link(1.0), inter_node=labkit.Link(1.0))
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError) as info:
+        launch(_sum_ranks, 0, **kwargs)
+    for w in words:
+        assert w in str(info.value)
+    assert set(multiprocessing.active_children()) <= before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="needs fewer than 8 GPUs")
+def test_more_ranks_than_gpus_is_refused():
+    with pytest.raises(ValueError, match="larger than the .* GPU"):
+        launch(_sum_ranks, 0, world_size=8, cluster="gpu")
+
+
+# ------------------------------------------------------------------ failures
+
+
+def test_rank_that_raises_is_named_with_type_message_and_traceback():
+    t0 = time.time()
+    with pytest.raises(RankError) as info:
+        launch(_raise_on_rank1, world_size=2, cluster=CPU, timeout_s=60)
+    caught = time.time()
+    err = info.value
+    assert err.rank == 1 and err.kind == "raised" and err.exc_type == "ValueError"
+    assert isinstance(err.__cause__, ValueError)
+    assert "rank 1 raised ValueError: bad value on purpose" in str(err)
+    assert "_raise_on_rank1" in str(err)  # the remote traceback
+    raised_at = float(str(err.__cause__).split(" at ")[1])
+    assert raised_at > t0
+    assert caught - raised_at < 2.0, "the other rank is stopped within 2 s of the raise"
+
+
+@pytest.mark.parametrize("how, words", [("exit", "exited with code 3"), ("kill", "SIGKILL"), ("segv", "SIGSEGV")])
+def test_rank_that_dies_is_named_with_code_or_signal(how, words):
+    with pytest.raises(RankError) as info:
+        launch(_die_on_rank1, how, world_size=2, cluster=CPU, timeout_s=60)
+    assert info.value.rank == 1 and info.value.kind == "died"
+    assert "rank 1" in str(info.value) and words in str(info.value)
+
+
+def test_skipped_collective_names_the_op_and_the_missing_rank():
+    timeout = 5
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_skip_collective_on_rank1, world_size=2, cluster=CPU, timeout_s=timeout)
+    assert time.monotonic() - t0 < timeout + 5 + 5  # + start-up
+    msg = str(info.value)
+    assert info.value.kind == "hung" and info.value.rank == 1
+    assert "all_reduce #2" in msg and "rank 1 is missing" in msg
+
+
+def test_shape_mismatch_names_both_shapes():
+    with pytest.raises(RankError) as info:
+        launch(_shape_mismatch, world_size=2, cluster=CPU, timeout_s=5)
+    msg = str(info.value)
+    assert info.value.kind == "hung"
+    assert "mismatched" in msg and "float32[4]" in msg and "float32[8]" in msg
+
+
+def test_interrupt_stops_every_rank_and_next_launch_works(tmp_path):
+    base = str(tmp_path / "pid")
+    main = threading.main_thread().ident
+
+    def interrupt_later():
+        _read_pids(base, 2)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt_later, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        launch(_sleep_and_report_pid, base, world_size=2, cluster=CPU)
+    pids = _read_pids(base, 2)
+    assert _wait_gone(pids, 5.0), "every rank is gone within 5 s of the interrupt"
+    assert launch(_sum_ranks, 0, world_size=2, cluster=CPU) == [3.0, 3.0]
+
+
+def test_workers_die_when_the_parent_is_killed(tmp_path):
+    base = str(tmp_path / "pid")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_launch import _sleep_and_report_pid
+        import labkit
+        labkit.launch(_sleep_and_report_pid, {base!r}, world_size=2, cluster="cpu")
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        pids = _read_pids(base, 2, seconds=60)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone(pids, 5.0), "workers die with a SIGKILLed parent"
+
+
+def _count_listening_sockets() -> int:
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    listening = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:
+                listening += 1
+    return listening
+
+
+def _children() -> int:
+    me = str(os.getpid())
+    count = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+            except OSError:
+                continue
+            if stat.split(")")[-1].split()[1] == me:
+                count += 1
+    return count
+
+
+def test_twenty_launches_leak_nothing():
+    launch(_sum_ranks, 0, world_size=2, cluster=CPU)  # starts the fork server
+    before = (_children(), len(os.listdir("/proc/self/fd")), _count_listening_sockets())
+    for _ in range(20):
+        assert launch(_sum_ranks, 0, world_size=2, cluster=CPU) == [3.0, 3.0]
+    after = (_children(), len(os.listdir("/proc/self/fd")), _count_listening_sockets())
+    assert after == before, f"(children, fds, listening sockets) before {before}, after {after}"
+
+
+def test_two_launches_at_once_do_not_collide():
+    results: list = [None, None]
+
+    def run(i):
+        results[i] = launch(_sum_ranks, i, world_size=2, cluster=CPU)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [[3.0, 3.0], [4.0, 4.0]]
