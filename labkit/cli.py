@@ -128,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     for i, nb in enumerate(notebooks, 1):
         lab = nb.stem
         target = out / nb.name
+        workdir = out / lab  # figures a notebook saves land here, and the report links them
+        workdir.mkdir(exist_ok=True)
         print(f"[{i}/{len(notebooks)}] {lab}: running with {params} ...", flush=True)
         t0 = time.perf_counter()
         entry: dict = {"lab": lab, "notebook": str(target), "parameters": params}
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 str(nb),
                 str(target),
                 parameters=params,
-                cwd=str(out),
+                cwd=str(workdir),
                 kernel_name=args.kernel,
                 execution_timeout=args.cell_timeout,
                 progress_bar=not args.quiet,

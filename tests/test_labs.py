@@ -1,0 +1,75 @@
+"""Every solution notebook runs with papermill and records its headline; every lab runs to its first stub."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import papermill
+import pytest
+
+from labkit.notebooks import run_until_stub
+from labkit.records import read_records
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+LABS = sorted((ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
+
+# Small parameters: the whole suite must stay under 15 minutes on 2 cores.
+SMALL = {
+    "00_cluster_tour": {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 2},
+    "02_oom_batch": {"cluster": "cpu"},
+    "03_unoverlapped_comms": {"cluster": "cpu"},
+}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _kernel_finds_labkit(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+
+
+def _check_records(name: str, rec: dict) -> None:
+    for key in ("before", "after", "limit", "unit"):
+        assert key in rec, f"{name} did not record {key!r}"
+    if name == "00_cluster_tour":
+        assert 0 < rec["before"] < rec["after"] <= rec["limit"] * 1.1
+    elif name == "02_oom_batch":
+        assert rec["after"] <= rec["limit"] < rec["before"]
+    elif name == "03_unoverlapped_comms":
+        assert rec["after"] / rec["before"] <= 0.8
+        assert rec["after"] / rec["limit"] <= 1.25
+
+
+@pytest.mark.parametrize("nb", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_solution_notebook_runs_and_records(nb: Path, tmp_path: Path):
+    out = tmp_path / nb.name
+    papermill.execute_notebook(
+        str(nb), str(out), parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), cwd=str(tmp_path),
+        kernel_name="python3", execution_timeout=300, progress_bar=False,
+    )
+    _check_records(nb.stem, read_records(out))
+
+
+@pytest.mark.parametrize("nb", LABS, ids=[p.stem for p in LABS])
+def test_lab_notebook_runs_until_its_first_exercise(nb: Path, tmp_path: Path):
+    ok, message = run_until_stub(nb, parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), timeout=300,
+                                 output_path=tmp_path / nb.name, cwd=tmp_path)
+    assert ok, message
+
+
+def test_nbval_lax_on_the_cluster_tour(tmp_path: Path):
+    """nbval runs the notebook as a test and checks only the cells marked for it (--nbval-lax)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+         str(ROOT / "solutions" / "00_cluster_tour.ipynb")],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -1,0 +1,118 @@
+"""The repository's packaging stays consistent: conda env = pyproject, notebooks stripped, labs fresh."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+
+from labkit.notebooks import check, lint, list_notebooks, outputs_present
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = REPO / "solutions"
+LABS = REPO / "labs"
+
+# conda-forge name -> PyPI name, where they differ.
+CONDA_TO_PYPI = {"pytorch": "torch"}
+# Entries of environment.yml that are not package dependencies of labkit.
+CONDA_ONLY = {"python", "pip"}
+
+
+def _normalise(name: str) -> str:
+    """PEP 503 name: lower case, runs of -_. become one '-'."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _specifier(spec: str) -> str:
+    return ",".join(sorted(part.strip() for part in spec.replace(" ", "").split(",") if part.strip()))
+
+
+def _pyproject_dependencies() -> dict[str, str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    deps = {}
+    for line in project["dependencies"]:
+        req = Requirement(line)
+        deps[_normalise(req.name)] = _specifier(str(req.specifier))
+    return deps
+
+
+def _environment() -> tuple[dict[str, str], list[str]]:
+    """Return (conda dependencies by PyPI name, pip section) of environment.yml."""
+    env = yaml.safe_load((REPO / "environment.yml").read_text(encoding="utf-8"))
+    conda: dict[str, str] = {}
+    pip: list[str] = []
+    for entry in env["dependencies"]:
+        if isinstance(entry, dict):
+            pip.extend(entry.get("pip", []))
+            continue
+        match = re.match(r"^([A-Za-z0-9_.\-]+)\s*(.*)$", str(entry).strip())
+        assert match, f"environment.yml: cannot read dependency {entry!r}"
+        name = _normalise(match.group(1))
+        if name in CONDA_ONLY:
+            continue
+        conda[_normalise(CONDA_TO_PYPI.get(name, name))] = _specifier(match.group(2))
+    return conda, pip
+
+
+def test_environment_yml_matches_pyproject_dependencies() -> None:
+    wanted = _pyproject_dependencies()
+    conda, pip = _environment()
+    missing = sorted(set(wanted) - set(conda))
+    extra = sorted(set(conda) - set(wanted))
+    assert not missing and not extra, (
+        f"environment.yml lacks {missing} and has extra {extra} compared with pyproject.toml "
+        "[project].dependencies; keep the two lists the same (conda-forge calls torch 'pytorch')"
+    )
+    differ = {name: (wanted[name], conda[name]) for name in wanted if wanted[name] != conda[name]}
+    assert not differ, f"version constraints differ (pyproject, environment.yml): {differ}"
+    assert "-e ." in pip, f"environment.yml's pip section must install the package itself ('-e .'), got {pip}"
+
+
+def test_environment_yml_pins_python_and_pip() -> None:
+    env = yaml.safe_load((REPO / "environment.yml").read_text(encoding="utf-8"))
+    plain = [str(e).replace(" ", "") for e in env["dependencies"] if not isinstance(e, dict)]
+    assert "python>=3.10" in plain and "pip" in plain, plain
+
+
+def test_committed_notebooks_have_no_outputs() -> None:
+    dirty = outputs_present(list_notebooks(SOLUTIONS) + list_notebooks(LABS))
+    assert not dirty, f"notebooks with outputs (run labkit.notebooks.strip on them): {[str(p) for p in dirty]}"
+
+
+def test_labs_are_up_to_date() -> None:
+    problems = check(SOLUTIONS, LABS)
+    assert not problems, "labs/ is out of date:\n" + "\n".join(problems)
+
+
+def test_notebooks_have_parameters_cell_and_python3_kernel() -> None:
+    problems = [p for path in list_notebooks(SOLUTIONS) + list_notebooks(LABS) for p in lint(path)]
+    assert not problems, "\n".join(problems)
+
+
+def _ci_test_command() -> str:
+    match = re.search(r'^TEST_CMD="([^"]+)"$', (REPO / ".ci" / "run").read_text(encoding="utf-8"), re.MULTILINE)
+    assert match, '.ci/run must define the test command on one line: TEST_CMD="..."'
+    return match.group(1)
+
+
+def test_ci_installs_pinned_torch_before_the_package() -> None:
+    text = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    torch = text.find("python3 -m pip install torch==")
+    package = text.find('python3 -m pip install -e ".[test]"')
+    assert 0 <= torch < package, ".ci/run must install a pinned torch before the package (else pip pulls a CUDA build)"
+
+
+def test_readme_shows_the_ci_test_command() -> None:
+    command = _ci_test_command()
+    readme = REPO / "README.md"
+    assert readme.is_file(), "README.md is missing (pyproject.toml names it as the readme)"
+    assert command in readme.read_text(encoding="utf-8"), (
+        f"README.md must show the same test command as .ci/run: {command!r}"
+    )
