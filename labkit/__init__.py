@@ -5,14 +5,25 @@ named after its idea (see DESIGN.md's code map).
 """
 
 from labkit.cluster import GPU, Cluster
+from labkit.comm import OverlappedDDP, allreduce_gradients_naive, bandwidth_test, bus_bandwidth_factor
 from labkit.emulate import Link, MemoryBudget, max_memory_allocated, memory_allocated, reset_peak_memory_stats
 from labkit.launch import RankError, current_cluster, device, launch
 from labkit.records import read_records, record
+from labkit.trace import CommLog, capture, overlap, plot_timeline, read_trace
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommLog",
     "GPU",
+    "OverlappedDDP",
+    "allreduce_gradients_naive",
+    "bandwidth_test",
+    "bus_bandwidth_factor",
+    "capture",
+    "overlap",
+    "plot_timeline",
+    "read_trace",
     "Cluster",
     "Link",
     "MemoryBudget",

@@ -7,6 +7,7 @@ uses to pick one, and it says which it picked.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -40,8 +41,13 @@ LATENCY_US_INTRA = 50.0
 LATENCY_US_INTER = 200.0
 
 
+@functools.lru_cache(maxsize=None)
 def measure_cpu_gflops(size: int = 512, repeats: int = 8) -> float:
-    """Median fp32 matmul GFLOP/s on one thread of this CPU (about 0.1 s)."""
+    """Median fp32 matmul GFLOP/s on one thread of this CPU (about 0.1 s).
+
+    Measured once per process, so that every emulated cluster a notebook builds has the
+    same links and a before/after comparison is not skewed by a second measurement.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
