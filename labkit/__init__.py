@@ -8,14 +8,34 @@ from labkit.cluster import GPU, Cluster
 from labkit.comm import OverlappedDDP, allreduce_gradients_naive, bandwidth_test, bus_bandwidth_factor
 from labkit.emulate import Link, MemoryBudget, max_memory_allocated, memory_allocated, reset_peak_memory_stats
 from labkit.launch import RankError, current_cluster, device, launch
+from labkit.memory import (
+    BatchSearch,
+    MemoryBreakdown,
+    estimate,
+    estimate_fake,
+    find_max_batch,
+    korthikanti_activation_bytes,
+    measure,
+)
+from labkit.models import GPT, GPTConfig, synthetic_batch
 from labkit.records import read_records, record
 from labkit.trace import CommLog, capture, overlap, plot_timeline, read_trace
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSearch",
     "CommLog",
+    "GPT",
+    "GPTConfig",
     "GPU",
+    "MemoryBreakdown",
+    "estimate",
+    "estimate_fake",
+    "find_max_batch",
+    "korthikanti_activation_bytes",
+    "measure",
+    "synthetic_batch",
     "OverlappedDDP",
     "allreduce_gradients_naive",
     "bandwidth_test",
