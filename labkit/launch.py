@@ -260,8 +260,13 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _run_under_torchrun(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> list:
+def _run_under_torchrun(fn: Callable, args: tuple, kwargs: dict, world_size: int, timeout_s: float) -> list:
     """torchrun started this process as one rank: run here, gather every rank's result."""
+    if world_size != int(os.environ["WORLD_SIZE"]):
+        raise ValueError(
+            f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node)."
+        )
     created = not dist.is_initialized()
     if created:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -468,7 +473,7 @@ def launch(
     """
     _validate(fn, world_size, timeout_s)
     if _under_torchrun():
-        return _run_under_torchrun(fn, args, kwargs, float(timeout_s))
+        return _run_under_torchrun(fn, args, kwargs, world_size, float(timeout_s))
     resolved = Cluster.resolve(cluster, world_size)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))

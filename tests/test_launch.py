@@ -326,3 +326,51 @@ def test_two_launches_at_once_do_not_collide():
     for t in threads:
         t.join(120)
     assert results == [[3.0, 3.0], [4.0, 4.0]]
+
+
+def _wait_in_all_reduce_while_rank1_sleeps() -> int:
+    t = torch.ones(2)
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    dist.all_reduce(t)
+    return 0
+
+
+def test_rank_that_never_arrives_ends_within_timeout_plus_5_s():
+    timeout = 3
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_wait_in_all_reduce_while_rank1_sleeps, world_size=2, cluster=CPU, timeout_s=timeout)
+    elapsed = time.monotonic() - t0
+    assert elapsed < timeout + 5 + 3, f"took {elapsed:.1f} s"  # + 3 s for starting the ranks
+    msg = str(info.value)
+    assert info.value.kind == "hung" and info.value.rank == 1
+    assert "all_reduce #1" in msg and "rank 1 is missing" in msg
+
+
+def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
+    script = tmp_path / "experiment.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, torch.distributed as dist
+            import labkit
+
+            def fn(x):
+                t = torch.tensor([float(dist.get_rank() + x)])
+                dist.all_reduce(t)
+                return t.item()
+
+            if __name__ == "__main__":
+                results = labkit.launch(fn, 1, world_size=2)
+                if dist.is_initialized() is False and int(__import__("os").environ["RANK"]) == 0:
+                    print("RESULTS", results)
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULTS [3.0, 3.0]" in proc.stdout
