@@ -38,7 +38,9 @@ def _smoke(world_size: int) -> float:
     import torch
     import torch.distributed as dist
 
-    t = torch.full((1024,), float(dist.get_rank() + 1))
+    from labkit.launch import device
+
+    t = torch.full((1024,), float(dist.get_rank() + 1), device=device())
     dist.all_reduce(t)
     return t[0].item()
 

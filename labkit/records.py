@@ -16,7 +16,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import nbformat
 
 RECORD_MIME = "application/vnd.labkit.record+json"
 LINE_PREFIX = "labkit-record "
@@ -106,6 +105,8 @@ def _records_in_output(output: Any) -> list[dict[str, Any]]:
 
 def read_records(path: str | Path) -> dict[str, Any]:
     """Return ``{key: value}`` recorded in an executed notebook; the last value of a key wins."""
+    import nbformat  # imported here: it takes over a second, and workers never need it
+
     nb = nbformat.read(str(path), as_version=4)
     records: dict[str, Any] = {}
     for cell in nb.cells:
