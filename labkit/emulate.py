@@ -288,6 +288,9 @@ class EmulatedProcessGroup(dist.ProcessGroup):
                 fut.set_result(result)
             except Exception as exc:  # the gloo error (timeout, peer gone) reaches the waiter
                 fut.set_exception(exc)
+            # Drop this thread's references now: otherwise the last bucket stays alive (and
+            # counted by a memory budget) until the next collective arrives.
+            del item, inner_work, fut, result
 
     def _later(
         self,
