@@ -28,10 +28,17 @@ and attention scores stored (no FlashAttention). Our lab model has no dropout an
 ``scaled_dot_product_attention`` (no s*s scores kept), so ``estimate`` counts, by default,
 the tensors autograd saves in ``labkit.models.GPT`` (see ``gpt_activation_bytes``),
 verified against ``measure``.
+
+Fixes for a batch that does not fit (lab 02): ``accumulation_steps`` and
+``choose_micro_batch`` split a global batch into micro-batches; ``dp_train`` runs data-parallel
+steps with gradient accumulation under DDP on a launched rank (counting all-reduces, measuring
+the peak); ``max_micro_batch`` runs ``find_max_batch`` on a rank; ``reference_gradients`` is the
+single-process big-batch gradient they are checked against.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from collections.abc import Callable
@@ -41,20 +48,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit.models import GPT, GPTConfig
+from labkit.models import GPT, GPTConfig, synthetic_batch
 
 __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "BatchSearch",
+    "DPResult",
     "MemoryBreakdown",
+    "accumulate_with_no_sync",
+    "accumulate_without_no_sync",
+    "accumulation_steps",
     "bytes_per_param",
+    "choose_micro_batch",
+    "dp_train",
     "estimate",
     "estimate_fake",
     "find_max_batch",
     "gpt_activation_bytes",
     "korthikanti_activation_bytes",
+    "max_micro_batch",
     "measure",
+    "rank_micro_batches",
+    "reference_gradients",
 ]
 
 _MIB = 2**20
@@ -417,6 +433,35 @@ def _step_tracker() -> Any:
     return _StepMemTracker()
 
 
+@contextlib.contextmanager
+def _removing_multi_grad_hooks() -> Any:
+    """Remove the backward hooks that MemTracker's ModTracker puts on module inputs and outputs.
+
+    Each hook's closure holds the autograd nodes of the tensors it is registered on: a cycle
+    through C++ that Python's collector cannot free, so every tracked step leaked its
+    parameters and gradients (torch 2.13: all but 5 of 29 parameters of a small GPT stayed
+    alive after ``measure``). ModTracker keeps no handles, so record them here and remove
+    them when the step is done.
+    """
+    from torch.distributed._tools import mod_tracker
+
+    handles: list[Any] = []
+    original = mod_tracker.register_multi_grad_hook
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        handle = original(*args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = recording
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+        for handle in handles:
+            handle.remove()
+
+
 def measure(
     step_fn: Callable[[], Any],
     model: nn.Module,
@@ -440,7 +485,7 @@ def measure(
         step_fn()
     tracker = _step_tracker()
     tracker.track_external(model, optimizer)
-    with tracker:
+    with _removing_multi_grad_hooks(), tracker:
         step_fn()
     device = _model_device(model)
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -621,3 +666,378 @@ def find_max_batch(
         else:
             bad = mid
     return BatchSearch(batch=good, trials=trials, limit=limit)
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-steps per optimizer step so that micro_batch x steps x world_size == global_batch.
+
+    Raises ValueError, with the values and a fix, when the sizes are not positive or the
+    global batch does not divide into micro-batches over the ranks (the optimizer would then
+    see a different batch than the one asked for).
+    """
+    for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch),
+                        ("world_size", world_size)):
+        _check_positive(name, value)
+    per_step = micro_batch * world_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    if global_batch % world_size == 0:
+        per_rank = global_batch // world_size
+        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        fix = (f"use a micro_batch that divides global_batch / world_size = {per_rank}: "
+               f"{', '.join(map(str, divisors))}")
+    else:
+        lower = global_batch // per_step * per_step
+        fix = (f"use global_batch={lower or per_step} or {lower + per_step} "
+               f"(a multiple of {per_step}), or another micro_batch")
+    if per_step > global_batch:
+        problem = (f"micro_batch({micro_batch}) x world_size({world_size}) = {per_step} "
+                   f"> global_batch({global_batch})")
+    else:
+        problem = (f"global_batch({global_batch}) is not divisible by micro_batch({micro_batch}) "
+                   f"x world_size({world_size}) = {per_step}")
+    raise ValueError(f"{problem}; every rank must run the same whole number of micro-steps: {fix}")
+
+
+def choose_micro_batch(global_batch: int, world_size: int, max_fit: int) -> int:
+    """Largest micro-batch <= ``max_fit`` that divides this rank's share of ``global_batch``.
+
+    ``max_fit`` is the largest micro-batch that fits (e.g. ``max_micro_batch(...).batch``).
+    Raises ValueError when not even one sample fits or the batch cannot be shared evenly.
+    """
+    _check_positive("global_batch", global_batch)
+    _check_positive("world_size", world_size)
+    if isinstance(max_fit, bool) or not isinstance(max_fit, int) or max_fit < 1:
+        raise ValueError(
+            f"max_fit={max_fit!r}: not even a micro-batch of 1 fits in memory; accumulation "
+            f"cannot help. Use bf16 autocast, activation checkpointing, a shorter sequence, "
+            f"or shard the model states (ZeRO / FSDP)"
+        )
+    if global_batch % world_size != 0:
+        accumulation_steps(global_batch, 1, world_size)  # raises with the values and the fix
+    per_rank = global_batch // world_size
+    return max(d for d in range(1, min(per_rank, max_fit) + 1) if per_rank % d == 0)
+
+
+def rank_micro_batches(
+    config: GPTConfig,
+    global_batch: int,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    *,
+    step: int = 0,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches ``[(x, y), ...]`` of global batch number ``step``.
+
+    The global batch is ``synthetic_batch(config, global_batch, seed=seed, step=step)``;
+    rank r takes rows [r*B/n, (r+1)*B/n) and cuts them into ``micro_batch`` rows each. Any
+    split of the same global batch therefore sees the same samples, so its gradient can be
+    compared with ``reference_gradients``.
+    """
+    steps = accumulation_steps(global_batch, micro_batch, world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be in 0..{world_size - 1} (world_size={world_size})")
+    x, y = synthetic_batch(config, global_batch, seed=seed, step=step)
+    per_rank = global_batch // world_size
+    first = rank * per_rank
+    out = []
+    for i in range(steps):
+        rows = slice(first + i * micro_batch, first + (i + 1) * micro_batch)
+        # clone: a slice would keep the whole global batch alive on every rank
+        out.append((x[rows].clone().to(device), y[rows].clone().to(device)))
+    return out
+
+
+def accumulate_with_no_sync(ddp: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Sum the gradients of ``mean loss / len(batches)`` over the micro-batches; one all-reduce.
+
+    Every micro-step but the last runs inside ``ddp.no_sync()``, so DDP only accumulates the
+    local gradients; the last backward all-reduces the sum, bucket by bucket (PyTorch docs,
+    ``DistributedDataParallel.no_sync``).
+    """
+    n = len(batches)
+    for x, y in batches[:-1]:
+        with ddp.no_sync():
+            (ddp(x, y) / n).backward()
+    x, y = batches[-1]
+    (ddp(x, y) / n).backward()
+
+
+def accumulate_without_no_sync(ddp: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The silent mistake: the same gradients, but DDP all-reduces after every micro-step."""
+    n = len(batches)
+    for x, y in batches:
+        (ddp(x, y) / n).backward()
+
+
+class _Runner(nn.Module):
+    """The model as DDP sees it: forward under bf16 ``torch.autocast`` if asked (backward then
+    runs outside it, as the autocast docs advise), and each loss value logged."""
+
+    def __init__(self, model: nn.Module, device_type: str, autocast: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.device_type = device_type
+        self.autocast = autocast
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.model(x, y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+_DP_PRECISIONS = ("fp32", "autocast")
+
+
+def _lab_model(config: GPTConfig, precision: str, checkpointing: bool, seed: int,
+               device: torch.device) -> tuple[GPT, _Runner]:
+    if precision not in _DP_PRECISIONS:
+        raise ValueError(f"precision={precision!r}; choose 'fp32' or 'autocast' (bf16 autocast)")
+    torch.manual_seed(seed)
+    model = GPT(config, checkpointing=checkpointing).to(device)
+    return model, _Runner(model, device.type, precision == "autocast")
+
+
+def _peak_bytes(device: torch.device) -> int | None:
+    """The device's peak since the last reset: CUDA, the emulated budget, or None (neither)."""
+    from labkit.emulate import active_budget, max_memory_allocated
+
+    if device.type == "cuda" or active_budget() is not None:
+        return max_memory_allocated(device)
+    return None
+
+
+def _reset_peak(device: torch.device) -> None:
+    from labkit.emulate import reset_peak_memory_stats
+
+    reset_peak_memory_stats(device)
+
+
+def _host_flat(tensors: list[torch.Tensor]) -> Any:
+    """One flat numpy copy of ``tensors`` in host memory, which the device budget does not
+    count (``.cpu()`` copies on a GPU; on CPU numpy copies outside torch's dispatcher, and no
+    tensor is made from it here: ``torch.from_numpy`` under the emulated budget is counted)."""
+    import numpy as np
+
+    parts = [t.detach().cpu().numpy().reshape(-1) for t in tensors]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class DPResult:
+    """What one rank of ``dp_train`` measured on its last optimizer step."""
+
+    rank: int
+    world_size: int
+    global_batch: int
+    micro_batch: int
+    accumulation_steps: int
+    precision: str
+    checkpointing: bool
+    peak_bytes: int  # peak memory of the last optimizer step on this rank
+    peak_source: str  # "emulated budget", "torch.cuda.max_memory_allocated" or "MemTracker"
+    allreduce_calls: int  # bucket all-reduces DDP issued in the last optimizer step
+    buckets: int  # DDP's buckets (distinct bucket indices seen in that step)
+    allreduce_bytes: int  # bytes of gradient buckets all-reduced in that step
+    step_s: float  # wall time of the last optimizer step (MemTracker slows it when used)
+    loss: float  # mean loss over this rank's share of the last global batch
+    grads_array: Any = None  # numpy: first step's gradients, flattened (return_grads=True)
+    breakdown: MemoryBreakdown | None = None  # MemTracker categories at the peak
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / _MIB
+
+    @property
+    def grads(self) -> torch.Tensor | None:
+        """The first step's gradients as a flat CPU tensor (None without ``return_grads``)."""
+        return None if self.grads_array is None else torch.from_numpy(self.grads_array)
+
+
+class _AllReduceCounter:
+    """State of a DDP comm hook that counts the bucket all-reduces, then does the default one."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []  # (bucket index, bytes)
+
+    @staticmethod
+    def hook(state, bucket):  # unannotated: DDP rejects annotations other than its own
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        buffer = bucket.buffer()
+        state.calls.append((bucket.index(), buffer.numel() * buffer.element_size()))
+        return allreduce_hook(None, bucket)  # None: the default process group
+
+
+def dp_train(
+    config: GPTConfig,
+    global_batch: int,
+    micro_batch: int,
+    *,
+    accumulate: Callable[[nn.Module, list], Any] | None = None,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    optimizer_steps: int = 2,
+    bucket_cap_mb: float = 1.0,
+    seed: int = 0,
+    breakdown: bool = False,
+    return_grads: bool = False,
+) -> DPResult:
+    """Data-parallel training steps of ``GPT(config)`` on this rank; run it with ``labkit.launch``.
+
+    Each optimizer step processes one global batch: ``micro_batch`` samples x
+    ``accumulation_steps(...)`` micro-steps x world_size ranks, through
+    ``accumulate(ddp, batches)`` (default ``accumulate_with_no_sync``), then Adam.
+    DDP uses ``gradient_as_bucket_view=True`` (gradients live in DDP's buckets, no second
+    copy; PyTorch DDP docs) and ``zero_grad(set_to_none=False)``: with ``set_to_none=True``
+    the gradients of micro-steps under ``no_sync`` are new tensors next to the buckets
+    (measured: +1 gradient copy, 57.1 instead of 53.5 MiB on a 3.6 MiB-gradient model).
+    A comm hook counts DDP's bucket all-reduces. Step 1 creates Adam's states and lets DDP
+    rebuild its buckets in gradient order (torch 2.13 puts all parameters in one bucket for
+    the first step), so the counts and the peak come from the last step. ``breakdown`` runs
+    that step under ``measure`` (MemTracker); ``return_grads`` returns step 1's gradients
+    (before any update), flattened in parameter order, as a host copy.
+    """
+    import time
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.launch import device as rank_device
+
+    if not dist.is_initialized():
+        raise ValueError("dp_train runs on a rank: call it as labkit.launch(dp_train, config, ...)")
+    _check_positive("optimizer_steps", optimizer_steps)
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0, e.g. 1.0 or DDP's default 25")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    steps = accumulation_steps(global_batch, micro_batch, world_size)
+    accumulate = accumulate_with_no_sync if accumulate is None else accumulate
+    # Several runs can share a rank (e.g. one launch comparing options): let the collector
+    # free what earlier ones left in reference cycles, so the peak counts this run only.
+    _free_memory()
+    device = rank_device()
+    model, runner = _lab_model(config, precision, checkpointing, seed, device)
+    ddp = DDP(runner, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb)
+    counter = _AllReduceCounter()
+    ddp.register_comm_hook(counter, _AllReduceCounter.hook)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    grads: Any = None  # numpy copy of the first step's gradients
+    losses: list[float] = []  # mean loss of this rank's share of each global batch
+
+    def one_step(step: int) -> None:
+        nonlocal grads
+        batches = rank_micro_batches(config, global_batch, micro_batch, rank, world_size,
+                                     step=step, seed=seed, device=device)
+        runner.losses.clear()
+        accumulate(ddp, batches)
+        if len(runner.losses) != steps:
+            raise ValueError(
+                f"accumulate ran {len(runner.losses)} forward passes for {steps} micro-batches; "
+                f"call ddp(x, y) once for every (x, y) in batches"
+            )
+        losses.append(sum(runner.losses) / steps)
+        if return_grads and step == 0:
+            missing = [name for name, p in model.named_parameters() if p.grad is None]
+            if missing:
+                raise ValueError(f"no gradient for {missing[:3]}...: did accumulate call backward()?")
+            grads = _host_flat([p.grad for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    for step in range(optimizer_steps - 1):
+        one_step(step)
+    counter.calls.clear()
+    _reset_peak(device)
+    last = optimizer_steps - 1
+    t0 = time.perf_counter()
+    measured = None
+    if breakdown or _peak_bytes(device) is None:
+        measured = measure(lambda: one_step(last), model, optimizer, warmup=False)
+    else:
+        one_step(last)
+    step_s = time.perf_counter() - t0
+    peak = _peak_bytes(device)
+    if peak is None:
+        source = "MemTracker"
+        peak = int(measured.peak)  # type: ignore[union-attr]
+    else:
+        source = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "emulated budget"
+    return DPResult(
+        rank=rank,
+        world_size=world_size,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        accumulation_steps=steps,
+        precision=precision,
+        checkpointing=checkpointing,
+        peak_bytes=int(peak),
+        peak_source=source,
+        allreduce_calls=len(counter.calls),
+        buckets=len({index for index, _ in counter.calls}),
+        allreduce_bytes=sum(nbytes for _, nbytes in counter.calls),
+        step_s=step_s,
+        loss=losses[-1],
+        grads_array=grads,
+        breakdown=measured if breakdown else None,
+    )
+
+
+def max_micro_batch(
+    config: GPTConfig,
+    *,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    start: int = 1,
+    limit: int = 4096,
+    seed: int = 0,
+) -> BatchSearch:
+    """``find_max_batch`` for one rank's training step of ``GPT(config)`` on this device.
+
+    Run it where the memory limit is (``labkit.launch`` on a cluster with ``memory_gib``:
+    the emulated budget, or the GPU with its memory fraction). The trial step is a plain
+    (non-DDP) step with Adam and ``zero_grad(set_to_none=False)``: the same bytes as a
+    ``dp_train`` rank, whose gradients live in DDP's buckets for the whole step (both match
+    ``estimate(..., keep_grads=True)`` in the tests). Trials do not communicate, so an OOM on
+    one rank never leaves another waiting in a collective (a DDP step failing mid-backward
+    could).
+    """
+    from labkit.launch import device as rank_device
+
+    _free_memory()  # what earlier runs on this rank left in reference cycles
+    device = rank_device()
+    model, runner = _lab_model(config, precision, checkpointing, seed, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(batch: int) -> None:
+        try:
+            x, y = synthetic_batch(config, batch, seed=seed, device=device)
+            runner(x, y).backward()
+            optimizer.step()
+        finally:
+            optimizer.zero_grad(set_to_none=False)
+
+    return find_max_batch(step, start=start, limit=limit)
+
+
+def reference_gradients(config: GPTConfig, global_batch: int, *, seed: int = 0) -> torch.Tensor:
+    """Gradient of the mean loss over the whole first global batch, in one process, fp32.
+
+    The big-batch gradient that gradient accumulation must reproduce: same initial weights
+    (``torch.manual_seed(seed)``) and same samples as ``dp_train``'s first step, flattened
+    in parameter order. Runs on CPU with no memory budget.
+    """
+    _check_positive("global_batch", global_batch)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    x, y = synthetic_batch(config, global_batch, seed=seed, step=0)
+    model(x, y).backward()
+    return torch.cat([p.grad.detach().flatten() for p in model.parameters()])

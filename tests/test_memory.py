@@ -8,16 +8,26 @@ import weakref
 import pytest
 import torch
 
+import labkit
 from labkit.memory import (
     BatchSearch,
+    DPResult,
     MemoryBreakdown,
+    accumulate_with_no_sync,
+    accumulate_without_no_sync,
+    accumulation_steps,
     bytes_per_param,
+    choose_micro_batch,
+    dp_train,
     estimate,
     estimate_fake,
     find_max_batch,
     gpt_activation_bytes,
     korthikanti_activation_bytes,
+    max_micro_batch,
     measure,
+    rank_micro_batches,
+    reference_gradients,
 )
 from labkit.models import GPT, GPTConfig, synthetic_batch
 
@@ -336,3 +346,141 @@ def test_find_max_batch_lets_other_errors_through() -> None:
 def test_find_max_batch_rejects_bad_input(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         find_max_batch(lambda b: None, **kwargs)
+
+
+# ---------------------------------------------------------------- measure leaves nothing behind
+
+
+def test_measure_leaves_no_parameters_alive() -> None:
+    # MemTracker's ModTracker puts backward hooks whose closures hold autograd nodes: a cycle
+    # through C++ that leaked every tracked step's parameters and gradients (torch 2.13).
+    import gc
+
+    step, model, optimizer = _lab_step(SMALL, 2, "fp32", False, True)
+    refs = [weakref.ref(p) for p in model.parameters()]
+    measure(step, model, optimizer)
+    del step, model, optimizer
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+
+@pytest.mark.parametrize(
+    "global_batch, micro_batch, world_size, steps",
+    [(64, 4, 2, 8), (64, 32, 2, 1), (12, 3, 4, 1), (48, 2, 3, 8), (1, 1, 1, 1)],
+)
+def test_accumulation_steps(global_batch: int, micro_batch: int, world_size: int, steps: int) -> None:
+    assert accumulation_steps(global_batch, micro_batch, world_size) == steps
+    assert micro_batch * steps * world_size == global_batch
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ((64, 6, 2), ["global_batch(64)", "micro_batch(6)", "world_size(2) = 12",
+                      "divides global_batch / world_size = 32", "1, 2, 4, 8, 16, 32"]),
+        ((65, 4, 2), ["global_batch(65)", "use global_batch=64 or 72"]),
+        ((64, 64, 2), ["micro_batch(64) x world_size(2) = 128 > global_batch(64)", "1, 2, 4, 8, 16, 32"]),
+        ((-8, 2, 2), ["global_batch=-8", "positive"]),
+        ((64, 0, 2), ["micro_batch=0", "positive"]),
+        ((64, 4, 0), ["world_size=0", "positive"]),
+        ((64, 4.0, 2), ["micro_batch=4.0"]),
+        ((64, True, 2), ["micro_batch=True"]),
+    ],
+)
+def test_accumulation_steps_rejects_bad_sizes(args: tuple, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        accumulation_steps(*args)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "global_batch, world_size, max_fit, expected",
+    [(64, 2, 30, 16), (64, 2, 6, 4), (64, 2, 32, 32), (64, 2, 1000, 32), (48, 2, 5, 4), (64, 2, 1, 1)],
+)
+def test_choose_micro_batch(global_batch: int, world_size: int, max_fit: int, expected: int) -> None:
+    micro = choose_micro_batch(global_batch, world_size, max_fit)
+    assert micro == expected
+    accumulation_steps(global_batch, micro, world_size)  # divides
+
+
+def test_choose_micro_batch_rejects_nothing_fits_and_uneven_batches() -> None:
+    with pytest.raises(ValueError, match="max_fit=0.*not even a micro-batch of 1"):
+        choose_micro_batch(64, 2, 0)
+    with pytest.raises(ValueError, match="global_batch\\(63\\)"):
+        choose_micro_batch(63, 2, 8)
+
+
+def test_rank_micro_batches_cover_the_global_batch_in_order() -> None:
+    config = GPTConfig(n_layers=1, d_model=16, n_heads=2, seq_len=8, vocab_size=32)
+    x, y = synthetic_batch(config, 24, seed=3, step=1)
+    rows = [rank_micro_batches(config, 24, 4, rank, 3, step=1, seed=3) for rank in range(3)]
+    assert all(len(r) == 2 and r[0][0].shape == (4, 8) for r in rows)
+    assert torch.equal(torch.cat([mx for r in rows for mx, _ in r]), x)
+    assert torch.equal(torch.cat([my for r in rows for _, my in r]), y)
+    with pytest.raises(ValueError, match="rank=3"):
+        rank_micro_batches(config, 24, 4, 3, 3)
+
+
+def test_reference_gradients_equal_accumulated_micro_batches() -> None:
+    config = GPTConfig(n_layers=1, d_model=32, n_heads=2, seq_len=16, vocab_size=64)
+    reference = reference_gradients(config, 8, seed=1)
+    torch.manual_seed(1)
+    model = GPT(config)
+    batches = rank_micro_batches(config, 8, 2, 0, 1, seed=1)
+    for x, y in batches:
+        (model(x, y) / len(batches)).backward()
+    accumulated = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert reference.shape == (config.num_params(),)
+    assert (accumulated - reference).abs().max().item() < 1e-6
+
+
+def test_dp_train_needs_a_rank() -> None:
+    with pytest.raises(ValueError, match="labkit.launch"):
+        dp_train(SMALL, 8, 4)
+
+
+def _dp_worker(config: GPTConfig, global_batch: int, micro_batch: int) -> dict:
+    # 0.1 MB buckets: this 0.45 MB model gets several once DDP has rebuilt them after step 1
+    with_sync = dp_train(config, global_batch, micro_batch, accumulate=accumulate_with_no_sync,
+                         return_grads=True, breakdown=True, bucket_cap_mb=0.1)
+    without = dp_train(config, global_batch, micro_batch, accumulate=accumulate_without_no_sync,
+                       return_grads=True, bucket_cap_mb=0.1)
+    single = dp_train(config, global_batch, global_batch // 2)  # as first written: one micro-step
+    budget = labkit.emulate.active_budget()
+    search = max_micro_batch(config, precision="autocast", checkpointing=True, limit=64)
+    return {"with": with_sync, "without": without, "single": single, "search": search,
+            "left": budget.allocated}
+
+
+def test_dp_train_accumulation_matches_the_big_batch_and_counts_allreduces() -> None:
+    config = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=128)
+    cluster = labkit.Cluster.emulated(gpus_per_node=2, memory_gib=8 / 1024)
+    global_batch, micro = 16, 2
+    out = labkit.launch(_dp_worker, config, global_batch, micro, world_size=2, cluster=cluster,
+                        timeout_s=120)
+    reference = reference_gradients(config, global_batch)
+    steps = accumulation_steps(global_batch, micro, 2)
+    for rank, result in enumerate(out):
+        good, naive = result["with"], result["without"]
+        assert isinstance(good, DPResult) and good.rank == rank and good.accumulation_steps == steps
+        # the same gradient as the big batch, with or without no_sync
+        assert (good.grads - reference).abs().max().item() < 1e-5
+        assert (naive.grads - reference).abs().max().item() < 1e-5
+        # one pass over the buckets per optimizer step with no_sync; one per micro-step without
+        assert good.buckets > 1
+        assert good.allreduce_calls == good.buckets
+        assert naive.allreduce_calls == steps * naive.buckets
+        assert naive.allreduce_bytes == steps * good.allreduce_bytes
+        # DDP adds no memory to the estimate (gradients live in its buckets)
+        est = estimate(model=config, precision="fp32", micro_batch=micro, keep_grads=True)
+        assert abs(est.peak / good.peak_bytes - 1) < 0.10
+        assert good.peak_source == "emulated budget" and good.breakdown is not None
+        assert good.breakdown.peak == pytest.approx(good.peak_bytes, rel=0.02)
+        assert naive.peak_bytes == pytest.approx(good.peak_bytes, rel=0.01)
+        # the whole share in one micro-step needs more memory; the search leaves nothing behind
+        assert result["single"].peak_bytes > good.peak_bytes
+        assert result["search"].batch >= 1 and result["left"] < 2**20
