@@ -303,7 +303,12 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     ):
         """Start the gloo transfer; return work that completes when it is done and the
         modelled time has passed. The record is written first, so that a rank which gloo
-        aborts inside `start()` still shows what it was doing."""
+        aborts inside `start()` still shows what it was doing.
+
+        Known simplification: the modelled time counts from this rank's issue (or the end of
+        the previous transfer on the link). A rank that waits for a late peer finishes when
+        gloo does, i.e. at the peer's arrival plus the real loopback transfer, not plus the
+        modelled one, so a straggler's cost to its peers is slightly understated."""
         seq = self.record.issued(op, tensors, peer)
         inner_work = start()
         n = self.size()
