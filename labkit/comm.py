@@ -15,15 +15,21 @@ gradient is ready, while backward goes on computing the gradients of earlier lay
 asks you to write: the gradient hook (`_on_grad_ready`) and the bucket flush (`_flush`).
 Every collective is logged in a `labkit.trace.CommLog`, so `labkit.trace.capture` can
 show when each one was issued and when it completed.
+
+`train_steps` times the mistake, the fix and torch's DistributedDataParallel on the same
+ranks, step by step, next to compute alone and communication alone, and checks every step
+against a single-process run on the whole batch; `summarize_steps` combines the ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,10 +40,13 @@ from torch.profiler import record_function
 from labkit.trace import CommLog
 
 __all__ = [
+    "TRAIN_MODES",
     "OverlappedDDP",
     "allreduce_gradients_naive",
     "bandwidth_test",
     "bus_bandwidth_factor",
+    "summarize_steps",
+    "train_steps",
 ]
 
 
@@ -429,3 +438,254 @@ def bandwidth_test(
         )
     dist.barrier(group=process_group)
     return rows
+
+
+# ------------------------------------------------------- measuring a training step
+
+TRAIN_MODES = ("compute", "comm_naive", "naive", "comm_overlapped", "overlapped", "torch_ddp")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_abs_diff(model: nn.Module, reference: nn.Module) -> float:
+    with torch.no_grad():
+        return max(
+            (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
+        )
+
+
+class _Run:
+    """One way of doing a data-parallel training step on a private copy of the model."""
+
+    def __init__(self, mode, make_model, lr, bucket_cap_mb, ddp_class, process_group, device):
+        self.mode = mode
+        self.log = CommLog()
+        self.collectives = 0  # in the last step
+        self.in_backward: int | None = None  # collectives launched before backward() returned
+        self._backward_running = False
+        self.buckets: int | None = None
+        self.bucket_summary: list[dict[str, Any]] | None = None
+        self.module = make_model()
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=lr)
+        self.wrapped: nn.Module = self.module
+        self.group = process_group
+        if mode in ("overlapped", "comm_overlapped"):
+            self.wrapped = ddp_class(self.module, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
+            self.wrapped.comm_log = self.log
+            self.buckets = self.wrapped.num_buckets
+            self.bucket_summary = self.wrapped.bucket_summary()
+        elif mode == "torch_ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [device.index] if device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(
+                self.module, device_ids=ids, bucket_cap_mb=bucket_cap_mb, process_group=process_group
+            )
+            self.wrapped.register_comm_hook(None, self._ddp_hook)
+        if mode.startswith("comm_"):  # gradients to send, without computing any
+            for p in self.module.parameters():
+                p.grad = torch.zeros_like(p)
+
+    def _ddp_hook(self, state, bucket):  # no annotations: DDP checks them, and ours are strings
+        """DDP's default hook (average, then all-reduce the bucket), plus a count and a CommLog span."""
+        buf = bucket.buffer().div_(dist.get_world_size(self.group))
+        t0 = time.perf_counter_ns()
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+        logged = self.log.track(work, f"all_reduce ddp_bucket{bucket.index()}", buf.numel() * buf.element_size(),
+                                start_ns=t0, device=buf.device)
+        self.collectives += 1
+        self.in_backward += self._backward_running
+        fut = work.get_future() if logged is None else logged
+
+        def reduced(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()  # re-raise a failed collective's error
+            return buf
+
+        return fut.then(reduced)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        mode = self.mode
+        if mode == "comm_naive":
+            self.collectives = allreduce_gradients_naive(self.module, self.group, comm_log=self.log)
+            return
+        if mode == "comm_overlapped":
+            self.wrapped.finish_gradient_synchronization()
+            self.collectives = self.wrapped.num_collectives
+            return
+        self.collectives = 0
+        self.in_backward = 0 if mode in ("naive", "torch_ddp") else None
+        self.opt.zero_grad()
+        with record_function("forward"):
+            loss = self.wrapped(x, y)
+        self._backward_running = True
+        with record_function("backward"):
+            loss.backward()
+        self._backward_running = False
+        if mode == "naive":
+            self.collectives = allreduce_gradients_naive(self.module, self.group, comm_log=self.log)
+        elif mode == "overlapped":
+            self.wrapped.finish_gradient_synchronization()
+            self.collectives = self.wrapped.num_collectives
+            self.in_backward = self.wrapped.launched_in_backward
+        with record_function("optimizer.step"):
+            self.opt.step()
+
+
+def train_steps(
+    modes: Sequence[str] = ("compute", "naive", "overlapped"),
+    config: Any = None,
+    batch_size: int = 16,
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    bucket_cap_mb: float = 25.0,
+    lr: float = 0.1,
+    seed: int = 0,
+    check: bool = True,
+    ddp_class: type | None = None,
+    trace_modes: Sequence[str] = (),
+    trace_dir: str | None = None,
+    trace_steps: int = 2,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Time data-parallel training steps of a `labkit.models.GPT`, several ways; every rank calls it.
+
+    `modes` (any of TRAIN_MODES), each on its own copy of the same initial model, with SGD:
+
+    * "compute": forward, backward, optimizer step, no communication (compute alone);
+    * "naive": the mistake, `allreduce_gradients_naive` after backward;
+    * "overlapped": `ddp_class` (default `OverlappedDDP`) with `bucket_cap_mb`;
+    * "torch_ddp": torch's DistributedDataParallel with the same `bucket_cap_mb`;
+    * "comm_naive" / "comm_overlapped": the collectives of "naive" / "overlapped" (same sizes,
+      same count, zero gradients) and nothing else (communication alone).
+
+    The modes are interleaved step by step (all modes do step 1, then step 2, ...), so a
+    slow spell of a noisy machine hits them all; a barrier precedes every timed step, and
+    CUDA is synchronised before the clock is read. Rank r trains on
+    `synthetic_batch(config, batch_size, seed=seed + r, step=s)`. With `check`, every
+    rank also runs a single-process reference on the whole batch (all ranks' batches) and,
+    after every step, records the largest absolute parameter difference of each training
+    mode against it. Afterwards, the modes in `trace_modes` are profiled for `trace_steps`
+    steps (after one warm-up) with `labkit.trace.capture`, one file per mode and rank.
+
+    Returns a dict: "modes" maps each mode to {"ms": per-step times after warm-up,
+    "cpu_ms": CPU time of the whole process (all threads) per step, "collectives" and
+    "in_backward" (collectives launched before backward() returned) per step, "buckets"
+    and "bucket_summary" (overlapped modes), "max_abs_diff" (after every step, warm-up
+    included; None when not checked)}, plus "traces" {mode: path}, "param_tensors",
+    "params", "grad_bytes", "rank", "world_size" and "device". Combine the ranks with
+    `summarize_steps`.
+    """
+    from labkit.launch import device as _device
+    from labkit.models import GPT, GPTConfig, synthetic_batch
+    from labkit.trace import capture
+
+    bad = [m for m in list(modes) + list(trace_modes) if m not in TRAIN_MODES]
+    if bad:
+        raise ValueError(f"train_steps: unknown mode(s) {bad}; choose from {list(TRAIN_MODES)}.")
+    missing = [m for m in trace_modes if m not in modes]
+    if missing:
+        raise ValueError(f"train_steps: trace_modes {missing} must also be in modes={list(modes)}.")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"train_steps(steps={steps}, warmup={warmup}): need steps >= 1, warmup >= 0.")
+    config = config if config is not None else GPTConfig()
+    ddp_class = ddp_class if ddp_class is not None else OverlappedDDP
+    dev = _device()
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(seed)
+        return GPT(config).to(dev)
+
+    def batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return synthetic_batch(config, batch_size, seed=seed + r, step=step, device=dev)
+
+    runs = {m: _Run(m, make_model, lr, bucket_cap_mb, ddp_class, process_group, dev) for m in modes}
+    checked = [m for m in modes if m in ("naive", "overlapped", "torch_ddp")] if check else []
+    ref = ref_opt = None
+    if checked:
+        ref = make_model()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    out = {m: {"ms": [], "cpu_ms": [], "collectives": [], "in_backward": [], "buckets": runs[m].buckets,
+               "bucket_summary": runs[m].bucket_summary, "max_abs_diff": [] if m in checked else None}
+           for m in modes}
+
+    for s in range(warmup + steps):
+        x, y = batch(s, rank)
+        for m in modes:
+            run = runs[m]
+            dist.barrier(group=process_group)
+            _sync(dev)
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            run.step(x, y)
+            _sync(dev)
+            ms = (time.perf_counter() - t0) * 1e3
+            cpu_ms = (time.process_time() - cpu0) * 1e3
+            if s >= warmup:
+                out[m]["ms"].append(ms)
+                out[m]["cpu_ms"].append(cpu_ms)
+                out[m]["collectives"].append(run.collectives)
+                out[m]["in_backward"].append(run.in_backward)
+        if ref is not None:
+            xs, ys = zip(*(batch(s, r) for r in range(world)))
+            ref_opt.zero_grad()
+            ref(torch.cat(xs), torch.cat(ys)).backward()  # mean over the whole batch
+            ref_opt.step()
+            for m in checked:
+                out[m]["max_abs_diff"].append(_max_abs_diff(runs[m].module, ref))
+
+    traces = {}
+    for m in trace_modes:
+        run = runs[m]
+        x, y = batch(warmup + steps, rank)
+        run.log.clear()
+        folder = Path(trace_dir) if trace_dir else Path(tempfile.gettempdir()) / "labkit_traces"
+        dist.barrier(group=process_group)
+        path = capture(lambda run=run, x=x, y=y: run.step(x, y), steps=trace_steps, warmup=1,
+                       path=folder / f"{m}_rank{{rank}}.json", comm_log=run.log)
+        traces[m] = str(path)
+    dist.barrier(group=process_group)
+
+    params = [p for p in runs[modes[0]].module.parameters() if p.requires_grad]
+    return {
+        "modes": out,
+        "traces": traces,
+        "param_tensors": len(params),
+        "params": sum(p.numel() for p in params),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+        "rank": rank,
+        "world_size": world,
+        "device": str(dev),
+    }
+
+
+def summarize_steps(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Combine `train_steps` results of all ranks: per mode, the median step time (ms).
+
+    A data-parallel step is as slow as its slowest rank, so each step's time is the
+    maximum over ranks; the median over steps is then robust to a noisy machine. Also
+    gives the CPU time per step (median per rank, mean over ranks), the collectives per
+    step, how many were launched during backward, the number of buckets and the worst
+    parameter difference against the single-process reference.
+    """
+    if not results:
+        raise ValueError("summarize_steps got no results; pass the list that labkit.launch returned.")
+    summary = {}
+    for m in results[0]["modes"]:
+        per_rank = [r["modes"][m] for r in results]
+        step_max = [max(ms) for ms in zip(*(pr["ms"] for pr in per_rank))]
+        diffs = [d for pr in per_rank for d in (pr["max_abs_diff"] or [])]
+        in_bwd = per_rank[0]["in_backward"][-1] if per_rank[0]["in_backward"] else None
+        summary[m] = {
+            "ms": statistics.median(step_max),
+            "ms_steps": step_max,
+            "cpu_ms": statistics.mean(statistics.median(pr["cpu_ms"]) for pr in per_rank),
+            "collectives": per_rank[0]["collectives"][-1] if per_rank[0]["collectives"] else 0,
+            "in_backward": in_bwd,
+            "buckets": per_rank[0]["buckets"],
+            "max_abs_diff": max(diffs) if diffs else None,
+        }
+    return summary

@@ -54,12 +54,15 @@ the trace are the comm lane.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import json
+import os
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,12 +216,16 @@ def capture(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
     anchors: list[tuple[int, int]] = []  # perf_counter_ns just before and after each clock_sync
-    with profile(
+    prof = profile(
         activities=activities,
         schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
         on_trace_ready=lambda prof: prof.export_chrome_trace(str(out)),
         record_shapes=False,
-    ) as prof:
+    )
+    # The profiler starts and stops inside enter, step() and exit; only those are muted.
+    with _without_kineto_log():
+        prof.__enter__()
+    try:
         for _ in range(warmup + steps):
             t0 = time.perf_counter_ns()
             with record_function(CLOCK_SYNC):
@@ -227,11 +234,52 @@ def capture(
             step_fn()
             if cuda:
                 torch.cuda.synchronize()  # the step's kernels end inside its ProfilerStep
-            prof.step()
+            with _without_kineto_log():
+                prof.step()
+    finally:
+        with _without_kineto_log():
+            prof.__exit__(None, None, None)
 
     if comm_log is not None:
         _merge_comm_log(out, comm_log, anchors[warmup:])
     return out
+
+
+_KINETO_LOG_PREFIXES = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def _without_kineto_log() -> Iterator[None]:
+    """Drop the lines kineto writes to file descriptor 2 when the profiler starts or stops.
+
+    torch 2.13's kineto prints "USDT:... profiler_start" / "profiler_stop" there (and, with
+    KINETO_LOG_LEVEL set, "STAGE:..." lines) each time the profiler starts or stops, on
+    every rank; in a notebook they fill the output of `labkit.launch`. Every other line is
+    written back to descriptor 2 when the block ends.
+    """
+    fd = 2  # kineto writes to the process's file descriptor 2, whatever sys.stderr is
+    try:
+        saved = os.dup(fd)
+    except OSError:  # no descriptor 2: nothing to filter
+        yield
+        return
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        sys.stderr.flush()
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [
+                line
+                for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                if not line.startswith(_KINETO_LOG_PREFIXES)
+            ]
+            if kept:
+                os.write(fd, "".join(kept).encode())
 
 
 def _merge_comm_log(path: Path, comm_log: CommLog, anchors: list[tuple[int, int]]) -> None:
