@@ -48,14 +48,27 @@ def _check_records(name: str, rec: dict) -> None:
         assert rec["after"] / rec["limit"] <= 1.25
 
 
+# Labs whose headline is a wall-clock ratio: on a shared 2-core runner one noisy run can
+# miss the threshold, so these get one more run before the test fails.
+TIMED = {"00_cluster_tour", "03_unoverlapped_comms"}
+
+
 @pytest.mark.parametrize("nb", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
 def test_solution_notebook_runs_and_records(nb: Path, tmp_path: Path):
-    out = tmp_path / nb.name
-    papermill.execute_notebook(
-        str(nb), str(out), parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), cwd=str(tmp_path),
-        kernel_name="python3", execution_timeout=300, progress_bar=False,
-    )
-    _check_records(nb.stem, read_records(out))
+    attempts = 2 if nb.stem in TIMED else 1
+    for attempt in range(1, attempts + 1):
+        out = tmp_path / f"try{attempt}" / nb.name
+        out.parent.mkdir()
+        papermill.execute_notebook(
+            str(nb), str(out), parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), cwd=str(out.parent),
+            kernel_name="python3", execution_timeout=300, progress_bar=False,
+        )
+        try:
+            _check_records(nb.stem, read_records(out))
+            return
+        except AssertionError:
+            if attempt == attempts:
+                raise
 
 
 @pytest.mark.parametrize("nb", LABS, ids=[p.stem for p in LABS])
