@@ -104,12 +104,14 @@ def _markdown(entries: list[dict[str, Any]]) -> str:
         "",
         f"{summary}.",
         "",
-        "| lab | metric | before | after | limit | unit | status | seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| lab | metric | before | after | limit | unit | measured on | status | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for e in entries:
         r = e["records"]
-        cells = [e["lab"], *(_fmt(r.get(k)) for k in HEADLINE_KEYS), e["status"], _fmt(e["seconds"])]
+        # Numbers from the emulated cluster are labelled so wherever they are shown.
+        world = {True: "emulated cluster", False: "GPUs"}.get(r.get("emulated"), "")
+        cells = [e["lab"], *(_fmt(r.get(k)) for k in HEADLINE_KEYS), world, e["status"], _fmt(e["seconds"])]
         lines.append("| " + " | ".join(cells) + " |")
     for e in entries:
         lines += ["", f"## {e['lab']}: {e['status']}", ""]

@@ -89,7 +89,7 @@ def test_write_report(tmp_path: Path) -> None:
     from labkit.report import write_report
 
     nb = _notebook("record(...)")  # outputs as record() leaves them (executed for real above)
-    values = {"metric": "step time", "before": 257.123, "after": 190.0, "limit": 200, "unit": "ms"}
+    values = {"metric": "step time", "before": 257.123, "after": 190.0, "limit": 200, "unit": "ms", "emulated": True}
     nb.cells[0].outputs = [
         nbformat.v4.new_output("display_data", data={RECORD_MIME: {"key": k, "value": v}, "text/plain": "..."})
         for k, v in values.items()
@@ -108,7 +108,7 @@ def test_write_report(tmp_path: Path) -> None:
     )
     report = json.loads(json_path.read_text())
     first, second = report["labs"]
-    assert first["records"] == {"metric": "step time", "before": 257.123, "after": 190.0, "limit": 200, "unit": "ms"}
+    assert first["records"] == values
     assert first["notebook"] == "03_comms.ipynb"
     assert first["figures"] == ["03_comms/timeline.png"]
     assert first["html"] == "03_comms.html" and (tmp_path / "03_comms.html").is_file()
@@ -116,8 +116,8 @@ def test_write_report(tmp_path: Path) -> None:
 
     md = md_path.read_text()
     assert "1 failed, 1 passed." in md
-    assert "| 03_comms | step time | 257.1 | 190 | 200 | ms | passed | 12.5 |" in md
-    assert "| 04_pipe | - | - | - | - | - | failed | 3 |" in md
+    assert "| 03_comms | step time | 257.1 | 190 | 200 | ms | emulated cluster | passed | 12.5 |" in md
+    assert "| 04_pipe | - | - | - | - | - |  | failed | 3 |" in md
     assert "![timeline](03_comms/timeline.png)" in md
     assert "[HTML](03_comms.html)" in md
     assert "ValueError: bad split" in md
