@@ -332,25 +332,16 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-_COMM_ERROR_WORDS = (
-    "timed out",
-    "timeout",
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "gloo",
-    "nccl",
-    "mismatch",
-    "size",
-    "peer",
-)
+_COMM_ERROR_TYPES = ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
 
 
-def _looks_like_comm_error(info: dict) -> bool:
-    text = (info.get("message") or "").lower()
-    return info.get("type") in ("RuntimeError", "DistBackendError", "DistNetworkError", "DistError") and any(
-        w in text for w in _COMM_ERROR_WORDS
-    )
+def _failed_in_collective(info: dict, record: dict | None) -> bool:
+    """Did this rank raise from inside a collective (so a peer may be the cause)?
+
+    Decided by the rank's own collective record, not by words in the message: a user's
+    RuntimeError about a tensor size must not be reported as a hang.
+    """
+    return info.get("type") in _COMM_ERROR_TYPES and bool(record and record.get("pending"))
 
 
 def _read_records(run_dir: Path, world_size: int) -> dict[int, dict]:
@@ -426,7 +417,8 @@ def _error_for(first: _Outcome, records: dict[int, dict], world_size: int, other
         header = f"rank {first.rank} raised {info['type']}: {info['message']}"
     # A rank that died, or whose collective failed, may be the victim of a peer that skipped
     # or mismatched a collective: the records say which.
-    diag = diagnose_hang(records, world_size) if info is None or _looks_like_comm_error(info) else None
+    in_collective = info is None or _failed_in_collective(info, records.get(first.rank))
+    diag = diagnose_hang(records, world_size) if in_collective else None
     trace = info["traceback"] if info else ""
     if diag is not None:
         text, culprit = diag

@@ -206,6 +206,21 @@ def test_rank_that_raises_is_named_with_type_message_and_traceback():
     assert caught - raised_at < 2.0, "the other rank is stopped within 2 s of the raise"
 
 
+def _runtime_error_about_sizes_on_rank1() -> int:
+    if dist.get_rank() == 1:
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+    t = torch.ones(2)
+    dist.all_reduce(t)  # rank 0 waits here until it is stopped
+    return 0
+
+
+def test_a_users_runtime_error_is_not_reported_as_a_hang():
+    with pytest.raises(RankError) as info:
+        launch(_runtime_error_about_sizes_on_rank1, world_size=2, cluster=CPU, timeout_s=60)
+    assert info.value.kind == "raised" and info.value.rank == 1
+    assert "_runtime_error_about_sizes_on_rank1" in str(info.value)  # the traceback is kept
+
+
 @pytest.mark.parametrize("how, words", [("exit", "exited with code 3"), ("kill", "SIGKILL"), ("segv", "SIGSEGV")])
 def test_rank_that_dies_is_named_with_code_or_signal(how, words):
     with pytest.raises(RankError) as info:
