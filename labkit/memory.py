@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from labkit.emulate import reset_peak_memory_stats
 from labkit.models import GPT, GPTConfig, synthetic_batch
 
 __all__ = [
@@ -815,12 +816,6 @@ def _peak_bytes(device: torch.device) -> int | None:
     return None
 
 
-def _reset_peak(device: torch.device) -> None:
-    from labkit.emulate import reset_peak_memory_stats
-
-    reset_peak_memory_stats(device)
-
-
 def _host_flat(tensors: list[torch.Tensor]) -> Any:
     """One flat numpy copy of ``tensors`` in host memory, which the device budget does not
     count (``.cpu()`` copies on a GPU; on CPU numpy copies outside torch's dispatcher, and no
@@ -956,7 +951,7 @@ def dp_train(
     for step in range(optimizer_steps - 1):
         one_step(step)
     counter.calls.clear()
-    _reset_peak(device)
+    reset_peak_memory_stats(device)
     last = optimizer_steps - 1
     t0 = time.perf_counter()
     measured = None
