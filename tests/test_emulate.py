@@ -46,56 +46,70 @@ def test_bad_link_is_refused():
         Cluster.emulated(nodes=0)
 
 
-def _time_allreduce(mib: int, iters: int) -> list[float]:
+def _time_allreduce(mib: int, iters: int) -> list[tuple[float, float]]:
+    """(measured s, modelled s) per all_reduce; the modelled time is what the group charged."""
+    group = dist.group.WORLD
     t = torch.ones(mib * 2**18)
     dist.all_reduce(t)  # warm the connections
     times = []
     for _ in range(iters):
         dist.barrier()
+        charged = group.modelled_s
         start = time.perf_counter()
         dist.all_reduce(t)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, group.modelled_s - charged))
     assert t[0].item() == 2 ** (iters + 1)  # the data really moved and summed
     return times
 
 
-def test_allreduce_takes_the_modelled_time():
-    times = launch(_time_allreduce, 64, 5, world_size=2, cluster=_cluster(bw=1.0, latency_us=10.0))
-    median = sorted(times[0])[len(times[0]) // 2]
-    model = collective_time_s("all_reduce", 64 * 2**20, 2, Link(1.0, 10.0))
-    assert median == pytest.approx(model, rel=0.20), f"median {median * 1e3:.1f} ms vs model {model * 1e3:.1f} ms"
+# How close the measured time comes to the model is a benchmark (benchmarks/emulated_link.py,
+# and lab 00's sweep), not a unit test: a loaded runner only ever makes it slower. What must
+# hold on any machine: the group charges the ring formula, and no collective beats it.
 
 
-def _async_overlaps(mib: int) -> tuple[float, float]:
+def test_allreduce_charges_the_ring_time_and_never_beats_it():
+    model = collective_time_s("all_reduce", 16 * 2**20, 2, Link(1.0, 10.0))
+    for rank_times in launch(_time_allreduce, 16, 3, world_size=2, cluster=_cluster(bw=1.0, latency_us=10.0)):
+        for measured, charged in rank_times:
+            assert charged == pytest.approx(model)
+            assert measured >= model, f"{measured * 1e3:.2f} ms beat the model's {model * 1e3:.2f} ms"
+
+
+def _async_overlaps(mib: int) -> tuple[bool, float]:
     t = torch.ones(mib * 2**18)
     dist.barrier()
     start = time.perf_counter()
     work = dist.all_reduce(t, async_op=True)
-    issued = time.perf_counter() - start
+    done_at_issue = work.is_completed()
     work.wait()
-    return issued, time.perf_counter() - start
+    return done_at_issue, time.perf_counter() - start
 
 
 def test_async_collective_returns_at_once_and_completes_later():
-    (issued, total), _ = launch(_async_overlaps, 16, world_size=2, cluster=_cluster(bw=0.25))
-    assert issued < total / 5  # returned long before the modelled transfer ended
-    assert total >= collective_time_s("all_reduce", 16 * 2**20, 2, Link(0.25, 10.0)) * 0.95
+    # 64 MiB at 0.1 GB/s is modelled at 0.67 s: the call returns long before that.
+    (done_at_issue, total), _ = launch(_async_overlaps, 64, world_size=2, cluster=_cluster(bw=0.1))
+    assert not done_at_issue
+    assert total >= collective_time_s("all_reduce", 64 * 2**20, 2, Link(0.1, 10.0))
 
 
-def _crosses_nodes() -> float:
+def _crosses_nodes() -> tuple[float, float]:
+    group = dist.group.WORLD
     t = torch.ones(2**20)
     dist.barrier()
+    charged = group.modelled_s
     start = time.perf_counter()
     dist.all_reduce(t)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, group.modelled_s - charged
 
 
 def test_slowest_link_decides():
-    intra = launch(_crosses_nodes, world_size=2, cluster=_cluster(bw=0.2, nodes=1, gpus_per_node=2))[0]
-    inter = launch(_crosses_nodes, world_size=2, cluster=_cluster(bw=0.2, nodes=2, gpus_per_node=1))[0]
+    intra, _ = launch(_crosses_nodes, world_size=2, cluster=_cluster(bw=0.2, nodes=1, gpus_per_node=2))
+    inter, _ = launch(_crosses_nodes, world_size=2, cluster=_cluster(bw=0.2, nodes=2, gpus_per_node=1))
     # the inter-node link is 10x slower in _cluster, and a 2-node all-reduce must cross it
-    assert inter == pytest.approx(collective_time_s("all_reduce", 4 * 2**20, 2, Link(0.02, 100.0)), rel=0.2)
-    assert inter > 3 * intra
+    assert intra[1] == pytest.approx(collective_time_s("all_reduce", 4 * 2**20, 2, Link(0.2, 10.0)))
+    inter_model = collective_time_s("all_reduce", 4 * 2**20, 2, Link(0.02, 100.0))
+    assert inter[1] == pytest.approx(inter_model)
+    assert inter[0] >= inter_model
 
 
 # ------------------------------------------------------------ DDP and pipelining
