@@ -292,10 +292,18 @@ def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
         )
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0, e.g. timeout_s=30.")
+    if getattr(mp.current_process(), "_inheriting", False):
+        # multiprocessing runs a script's top level again in every worker it starts; a launch
+        # there would start workers from inside a worker. Say so instead of a pile of tracebacks.
+        raise RuntimeError(
+            "labkit.launch was called while a rank was importing your script's main module: "
+            "put the call under `if __name__ == \"__main__\":` (a notebook cell needs nothing)."
+        )
 
 
 def _stop(procs: list, grace_s: float = 1.0) -> None:
     """SIGTERM every live rank, then SIGKILL what is left after `grace_s`."""
+    procs = [p for p in procs if p.pid is not None]  # a failed start leaves some unstarted
     for p in procs:
         if p.is_alive():
             with contextlib.suppress(Exception):

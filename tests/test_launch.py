@@ -264,6 +264,18 @@ def test_interrupt_stops_every_rank_and_next_launch_works(tmp_path):
     assert launch(_sum_ranks, 0, world_size=2, cluster=CPU) == [3.0, 3.0]
 
 
+def test_script_without_main_guard_gets_told_how_to_fix_it(tmp_path):
+    # Workers run a script's top level again (multiprocessing's rule); an unguarded launch
+    # there must end with the fix named, not with a hang or a recursive start.
+    script = tmp_path / "unguarded.py"
+    script.write_text("import labkit\nprint(labkit.launch(abs, 1, world_size=2, cluster='cpu'))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode != 0
+    assert 'if __name__ == "__main__":' in proc.stderr + proc.stdout
+    assert "RankError: rank" in proc.stderr
+
+
 def test_workers_die_when_the_parent_is_killed(tmp_path):
     base = str(tmp_path / "pid")
     script = textwrap.dedent(
