@@ -62,9 +62,10 @@ def _time_allreduce(mib: int, iters: int) -> list[tuple[float, float]]:
     return times
 
 
-# How close the measured time comes to the model is a benchmark (benchmarks/emulated_link.py,
-# and lab 00's sweep), not a unit test: a loaded runner only ever makes it slower. What must
-# hold on any machine: the group charges the ring formula, and no collective beats it.
+# What must hold on any machine: the group charges the ring formula, and no collective beats it.
+# How close a fast link's measurement comes to the model depends on the runner (CI once took
+# 81 ms for 64 MiB at 1 GB/s, modelled 67 ms: gloo's own loopback copy was the slower of the
+# two there); that is measured by benchmarks/emulated_link.py, not asserted here.
 
 
 def test_allreduce_charges_the_ring_time_and_never_beats_it():
@@ -73,6 +74,16 @@ def test_allreduce_charges_the_ring_time_and_never_beats_it():
         for measured, charged in rank_times:
             assert charged == pytest.approx(model)
             assert measured >= model, f"{measured * 1e3:.2f} ms beat the model's {model * 1e3:.2f} ms"
+
+
+def test_allreduce_takes_the_modelled_time_when_the_link_is_the_bottleneck():
+    # 64 MiB at 0.1 GB/s is modelled at 671 ms, several times what gloo's loopback copy takes
+    # even on a loaded runner: the modelled link, not the machine, decides the time, and the
+    # emulator must add nothing of its own beyond a 20 % margin (median of 3).
+    model = collective_time_s("all_reduce", 64 * 2**20, 2, Link(0.1, 10.0))
+    rank_times = launch(_time_allreduce, 64, 3, world_size=2, cluster=_cluster(bw=0.1, latency_us=10.0))[0]
+    median = sorted(measured for measured, _ in rank_times)[1]
+    assert median == pytest.approx(model, rel=0.20), f"median {median * 1e3:.0f} ms vs model {model * 1e3:.0f} ms"
 
 
 def _async_overlaps(mib: int) -> tuple[bool, float]:
