@@ -235,6 +235,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         self._clocks = {"coll": _LinkClock(), "send": _LinkClock(), "recv": _LinkClock()}
         self.record = CollectiveRecord(record_path)
         self.modelled_s = 0.0  # total modelled link time issued on this group
+        self._group_name = ""
         self._pending: queue.Queue = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._complete_loop, name="labkit-link", daemon=True)
@@ -247,6 +248,22 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND_NAME
+
+    # The C++ base keeps a group's name on its backends, and a Python group has none, so
+    # `group_name` always raised "ProcessGroup name not set"; pipelining in torch 2.14 reads it.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _get_backend(self, device: Any) -> "EmulatedProcessGroup":
+        """A Python process group is its own backend. torch 2.14's `batch_isend_irecv` (used by
+        `torch.distributed.pipelining`) asks every group for its backend, and the C++ base
+        raises for a Python subclass ("No backend type associated with device type cpu");
+        answering with this group keeps every transfer on the modelled link."""
+        return self
 
     @property
     def topology(self) -> Topology:
@@ -521,7 +538,9 @@ def _create_emulated_pg(opts, backend_options) -> EmulatedProcessGroup:
     path = None
     if record_dir and ranks == list(range(int(os.environ.get("WORLD_SIZE", opts.group_size)))):
         path = os.path.join(record_dir, f"record{opts.group_rank}.json")  # the world group only
-    return EmulatedProcessGroup(inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path)
+    pg = EmulatedProcessGroup(inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path)
+    pg._set_group_name(opts.group_id)  # torch returns a Python group as it is, before naming it
+    return pg
 
 
 def register_backend() -> str:

@@ -166,6 +166,20 @@ def test_ddp_over_the_emulated_link_matches_single_process():
             torch.testing.assert_close(p, q.detach(), atol=1e-5, rtol=1e-5)
 
 
+def _batched_p2p() -> tuple[str, float]:
+    rank = dist.get_rank()
+    out, inp = torch.full((4,), float(rank)), torch.zeros(4)
+    ops = [dist.P2POp(dist.isend, out, 1 - rank), dist.P2POp(dist.irecv, inp, 1 - rank)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return dist.group.WORLD.group_name, inp[0].item()
+
+
+def test_group_has_a_name_and_batched_p2p_works():
+    # What pipelining asks of a group (torch 2.14 reads group_name and the group's backend).
+    assert launch(_batched_p2p, world_size=2, cluster=_cluster()) == [("0", 1.0), ("0", 0.0)]
+
+
 def _pipeline_step() -> float | None:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
