@@ -16,8 +16,8 @@ import argparse
 import sys
 
 from labkit import Cluster, Link, launch
-from labkit.comm import bandwidth_test
-from labkit.emulate import collective_time_s
+from labkit.bandwidth import bandwidth_test
+from labkit.links import collective_time_s
 
 
 def main(argv: list[str] | None = None) -> int:

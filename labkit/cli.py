@@ -38,7 +38,7 @@ def _smoke(world_size: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from labkit.launch import device
+    from labkit.runtime import device
 
     t = torch.full((1024,), float(dist.get_rank() + 1), device=device())
     dist.all_reduce(t)
@@ -113,8 +113,8 @@ def _select(solutions: Path, lab: str | None) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     import papermill
 
-    from labkit.records import read_records
-    from labkit.report import write_report
+    from labkit.course.records import read_records
+    from labkit.course.report import write_report
 
     root = _root(args.root)
     solutions = root / "solutions"
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    from labkit.report import write_report
+    from labkit.course.report import write_report
 
     run_dir = Path(args.run_dir)
     previous = run_dir / "report.json"
@@ -187,7 +187,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 def build(args: argparse.Namespace) -> int:
-    from labkit import notebooks
+    from labkit.course import notebooks
 
     root = _root(args.root)
     solutions, labs = root / "solutions", root / "labs"

@@ -7,69 +7,17 @@ uses to pick one, and it says which it picked.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import subprocess
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from labkit.emulate import Link, Topology
+from labkit import validate
+from labkit.links import FLOP_PER_BYTE_INTER, FLOP_PER_BYTE_INTRA, Link, Topology, default_links, measure_cpu_gflops
 
-# ------------------------------------------------------------------ default links
-#
-# Why these figures. The emulated link should cost as much *relative to this CPU's
-# compute* as a real link costs relative to a GPU's compute, so that a lab's ratio of
-# communication to computation looks like a GPU node's and not like a loopback socket's.
-#
-# Reference node: 8 x H100 SXM. Dense bf16 peak is 989 TFLOP/s per GPU (NVIDIA H100
-# datasheet); training runs reach about 40-50 % of it, call it 450 TFLOP/s. NVLink 4 gives
-# 450 GB/s per direction per GPU and NCCL's all-reduce bus bandwidth on such a node is about
-# 450 GB/s (nccl-tests on DGX H100), so about 1 byte of link per 1,000 FLOP. Between nodes
-# each GPU has one 400 Gb/s NDR InfiniBand port, 50 GB/s, so about 1 byte per 10,000 FLOP.
-#
-# One core of this CPU (each emulated GPU is one process on one core) reaches a measured
-# number of GFLOP/s in an fp32 matmul; the links get that many FLOP/s divided by 1,000 (intra)
-# and 10,000 (inter), in bytes per second. Latency is not scaled by the compute ratio (that
-# would give milliseconds per message): it is NCCL's few-microsecond latency multiplied by
-# ten, about the factor by which a PyTorch CPU op is slower to launch than a CUDA kernel.
-FLOP_PER_BYTE_INTRA = 1_000.0
-FLOP_PER_BYTE_INTER = 10_000.0
-LATENCY_US_INTRA = 50.0
-LATENCY_US_INTER = 200.0
-
-
-@functools.lru_cache(maxsize=None)
-def measure_cpu_gflops(size: int = 512, repeats: int = 8) -> float:
-    """Median fp32 matmul GFLOP/s on one thread of this CPU (about 0.1 s).
-
-    Measured once per process, so that every emulated cluster a notebook builds has the
-    same links and a before/after comparison is not skewed by a second measurement.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(size, size)
-        b = torch.randn(size, size)
-        a @ b
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        return 2 * size**3 / times[len(times) // 2] / 1e9
-    finally:
-        torch.set_num_threads(threads)
-
-
-def default_links(cpu_gflops: float) -> tuple[Link, Link]:
-    """Intra-node and inter-node links scaled to this CPU as an H100 node's are to an H100."""
-    intra = Link(cpu_gflops * 1e9 / FLOP_PER_BYTE_INTRA / 1e9, LATENCY_US_INTRA, "emulated NVLink")
-    inter = Link(cpu_gflops * 1e9 / FLOP_PER_BYTE_INTER / 1e9, LATENCY_US_INTER, "emulated InfiniBand")
-    return intra, inter
+__all__ = ["GPU", "Cluster"]
 
 
 @dataclass(frozen=True)
@@ -112,16 +60,10 @@ class Cluster:
         `memory_gib` is each rank's memory budget (None: no budget is enforced).
         """
         for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"Cluster.emulated({name}={value!r}): must be a whole number >= 1, "
-                    f"e.g. Cluster.emulated(nodes=2, gpus_per_node=2)."
-                )
-        if memory_gib is not None and not memory_gib > 0:
-            raise ValueError(
-                f"Cluster.emulated(memory_gib={memory_gib!r}): the per-rank budget must be > 0 "
-                "(or None for no budget), e.g. memory_gib=0.25 for 256 MiB."
-            )
+            validate.positive_int(f"Cluster.emulated {name}", value, "Cluster.emulated(nodes=2, gpus_per_node=2)")
+        if memory_gib is not None:
+            validate.positive_number("Cluster.emulated memory_gib", memory_gib,
+                                     "memory_gib=0.25 for a 256 MiB budget per rank, or None for none")
         gflops = None
         if intra_node is None or inter_node is None:
             gflops = measure_cpu_gflops()
@@ -210,10 +152,6 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
     @property
-    def backend(self) -> str:
-        return "nccl" if self.kind == "gpu" else "labkit_emulated (gloo + link model)"
-
-    @property
     def label(self) -> str:
         """Appended to every number measured on this cluster."""
         return "emulated" if self.is_emulated else "measured on GPU"
@@ -222,10 +160,7 @@ class Cluster:
         return Topology(max(1, self.gpus_per_node), self.intra_node, self.inter_node)
 
     def check_world_size(self, world_size: int) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(
-                f"world_size={world_size!r} must be a whole number >= 1, e.g. launch(fn, world_size=2)."
-            )
+        validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
         if self.kind == "gpu" and world_size > self.gpu_count:
             raise ValueError(
                 f"world_size={world_size} is larger than the {self.gpu_count} GPU(s) present; "

@@ -20,8 +20,9 @@ How the failure cases are handled:
   and traceback (the original exception is the `__cause__`).
 * A rank that dies (exit code, signal) is named with its code or signal.
 * A collective that never completes (one rank skipped it, or the shapes differ) ends in
-  gloo's timeout; each rank leaves a record of its collectives in the store, and the error
-  names the operation and the rank that is missing or mismatched. If the other ranks have
+  gloo's timeout; each emulated rank leaves a record of its collectives
+  (`labkit.emulate.record`), and the error names the operation and the rank that is missing
+  or mismatched. If the other ranks have
   already ended, the stragglers get `timeout_s` plus a few seconds, then are stopped.
 * Ctrl-C / a kernel interrupt kills every rank before the exception propagates. Workers
   also die with the parent, even on SIGKILL: PR_SET_PDEATHSIG plus a watchdog thread.
@@ -29,13 +30,13 @@ How the failure cases are handled:
 Under `torchrun` (RANK, WORLD_SIZE and the rendezvous variables are set), `launch` runs
 `fn` in the current process instead, so the same experiment scales to several nodes with
 torchrun's own rendezvous.
+
+What each rank runs, from start to exit, is `labkit.worker`; inside a rank, `labkit.runtime`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -43,23 +44,21 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
-import torch
 import torch.distributed as dist
 
-from labkit import emulate
+from labkit import emulate, runtime, validate, worker
 from labkit.cluster import Cluster
+from labkit.emulate import diagnose_hang
 
-CLUSTER_ENV = "LABKIT_CLUSTER"
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launch"]
+__all__ = ["RankError", "launch"]
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launch", "labkit.worker"]
 _GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
 
 
@@ -74,166 +73,6 @@ class RankError(RuntimeError):
         self.kind = kind  # "raised" | "died" | "hung"
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
-
-
-# ------------------------------------------------------------------- inside a rank
-
-
-def current_cluster() -> Cluster | None:
-    """The cluster this rank was launched on (None outside `labkit.launch`)."""
-    raw = os.environ.get(CLUSTER_ENV)
-    return Cluster.from_json(raw) if raw else None
-
-
-def device() -> torch.device:
-    """This rank's device: `cuda:LOCAL_RANK` on a GPU cluster, else the CPU."""
-    cluster = current_cluster()
-    if torch.cuda.is_available() and (cluster is None or not cluster.is_emulated):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def _watch_launcher(pid: int) -> None:
-    """Exit when the launching process is gone (covers the fork server's own parent)."""
-
-    def loop() -> None:
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            except PermissionError:
-                pass
-            time.sleep(0.5)
-
-    threading.Thread(target=loop, name="labkit-watchdog", daemon=True).start()
-
-
-def _to_cpu(value: Any) -> Any:
-    """Detach tensors and move them to the CPU so the parent can unpickle without CUDA."""
-    return torch.utils._pytree.tree_map(
-        lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value
-    )
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _finish_record(status: str) -> None:
-    if dist.is_initialized() and isinstance(dist.group.WORLD, emulate.EmulatedProcessGroup):
-        dist.group.WORLD.record.finish(status)
-
-
-def _worker_main(
-    rank: int,
-    world_size: int,
-    payload: bytes,
-    port: int,
-    run_dir: str,
-    launcher_pid: int,
-    cluster_json: str,
-    timeout_s: float,
-    env: dict[str, str],
-) -> None:
-    _set_parent_death_signal()
-    _watch_launcher(launcher_pid)
-    out = Path(run_dir)
-    # One log per rank at the file-descriptor level, so C++ warnings are captured too.
-    log_fd = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
-
-    os.environ.update(env)  # the fork server started with an older environment
-    cluster = Cluster.from_json(cluster_json)
-    local_rank = rank % max(1, cluster.gpus_per_node)
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(min(world_size, max(1, cluster.gpus_per_node))),
-            CLUSTER_ENV: cluster_json,
-            emulate.TOPOLOGY_ENV: emulate.topology_to_env(cluster.topology()),
-            emulate.RECORD_DIR_ENV: run_dir,
-        }
-    )
-    store = None
-    status = 1
-    try:
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        if cluster.is_emulated:
-            # Each emulated GPU gets its share of the cores, as each real GPU is its own device.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-            backend = emulate.register_backend()
-            dist.init_process_group(
-                backend,
-                store=dist.PrefixStore("pg", store),
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-            )
-        else:
-            torch.cuda.set_device(local_rank)
-            if cluster.memory_gib:
-                total = torch.cuda.get_device_properties(local_rank).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, cluster.memory_gib * 2**30 / total))
-            dist.init_process_group(
-                "nccl",
-                store=dist.PrefixStore("pg", store),
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-                device_id=torch.device("cuda", local_rank),
-            )
-        fn, args, kwargs = cloudpickle.loads(payload)
-        if cluster.is_emulated and cluster.memory_gib:
-            with emulate.MemoryBudget(int(cluster.memory_gib * 2**30), rank=rank):
-                result = fn(*args, **kwargs)
-        else:
-            result = fn(*args, **kwargs)
-        _write_atomic(out / f"rank{rank}.result", cloudpickle.dumps({"ok": True, "value": _to_cpu(result)}))
-        status = 0
-    except BaseException as exc:  # noqa: BLE001 (report everything, even SystemExit)
-        try:
-            pickled = cloudpickle.dumps(exc)
-            cloudpickle.loads(pickled)
-        except Exception:
-            pickled = None
-        info = {
-            "ok": False,
-            "type": type(exc).__name__,
-            "module": type(exc).__module__,
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-            "exception": pickled,
-        }
-        _write_atomic(out / f"rank{rank}.result", cloudpickle.dumps(info))
-    finally:
-        with contextlib.suppress(Exception):
-            _finish_record("returned" if status == 0 else "raised")
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        if status == 0:
-            with contextlib.suppress(Exception):
-                emulate.close_groups()
-        # Leave without interpreter teardown: completion threads and gloo sockets still
-        # open at teardown made workers abort (DESIGN.md, measured facts).
-        os._exit(status)
 
 
 # -------------------------------------------------------------------- the parent
@@ -267,14 +106,9 @@ def _run_under_torchrun(fn: Callable, args: tuple, kwargs: dict, world_size: int
             f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
             "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node)."
         )
-    created = not dist.is_initialized()
-    if created:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    created = runtime.init_torchrun_group(timedelta(seconds=timeout_s))
     try:
-        value = _to_cpu(fn(*args, **kwargs))
+        value = worker.to_cpu(fn(*args, **kwargs))
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, value)
         return gathered
@@ -286,12 +120,8 @@ def _run_under_torchrun(fn: Callable, args: tuple, kwargs: dict, world_size: int
 def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a function, got {type(fn).__name__}: {fn!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(
-            f"world_size={world_size!r} must be a whole number >= 1, e.g. launch(fn, world_size=2)."
-        )
-    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0, e.g. timeout_s=30.")
+    validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
+    validate.positive_number("timeout_s", timeout_s, "launch(fn, timeout_s=30), in seconds")
     if getattr(mp.current_process(), "_inheriting", False):
         # multiprocessing runs a script's top level again in every worker it starts; a launch
         # there would start workers from inside a worker. Say so instead of a pile of tracebacks.
@@ -350,70 +180,6 @@ def _failed_in_collective(info: dict, record: dict | None) -> bool:
     RuntimeError about a tensor size must not be reported as a hang.
     """
     return info.get("type") in _COMM_ERROR_TYPES and bool(record and record.get("pending"))
-
-
-def _read_records(run_dir: Path, world_size: int) -> dict[int, dict]:
-    """Each rank's collective record, from the files the emulated process group keeps."""
-    records = {}
-    for r in range(world_size):
-        rec = emulate.CollectiveRecord.read(str(run_dir / f"record{r}.json"))
-        if rec is not None:
-            records[r] = rec
-    return records
-
-
-def _fmt_op(e: dict | None) -> str:
-    if not e:
-        return "no collective"
-    shapes = ", ".join("x".join(str(d) for d in s) or "scalar" for s in e.get("shapes", []))
-    return f"{e['op']} #{e['seq']} ({e.get('dtype', '')}[{shapes}])"
-
-
-_STATUS_WORDS = {"returned": "returned from fn", "raised": "raised", "running": "was running elsewhere"}
-
-
-def diagnose_hang(records: dict[int, dict], world_size: int) -> tuple[str, int | None] | None:
-    """From each rank's collective record, say which operation hung and which rank is at fault."""
-    pending = {r: rec["pending"][0] for r, rec in records.items() if rec.get("pending")}
-    if not pending:
-        return None
-    stuck_rank, op = min(pending.items(), key=lambda kv: kv[1]["seq"])
-    lines = [f"{_fmt_op(op)} on rank {stuck_rank} never completed."]
-    culprit = None
-    for r in range(world_size):
-        if r == stuck_rank:
-            continue
-        rec = records.get(r)
-        if rec is None:
-            lines.append(f"rank {r} left no record of its collectives.")
-            culprit = r if culprit is None else culprit
-            continue
-        other = rec["pending"][0] if rec.get("pending") else None
-        if other is None:
-            done = rec.get("count", 0)
-            lines.append(
-                f"rank {r} {_STATUS_WORDS.get(rec.get('status'), 'stopped')} after "
-                f"{done} collective(s) (last: {_fmt_op(rec.get('last'))}) and never called "
-                f"{op['op']} #{op['seq']}: rank {r} is missing."
-            )
-            culprit = r if culprit is None else culprit
-        elif (
-            other["seq"] != op["seq"]
-            or other["op"] != op["op"]
-            or other["shapes"] != op["shapes"]
-            or other["dtype"] != op["dtype"]
-        ):
-            lines.append(
-                f"rank {r} was in {_fmt_op(other)} at the same time: mismatched collective "
-                f"(op, order, shape or dtype differ between rank {stuck_rank} and rank {r})."
-            )
-            culprit = r if culprit is None else culprit
-        else:
-            lines.append(f"rank {r} was waiting in the same {_fmt_op(other)}.")
-    lines.append(
-        "Every rank must call the same collectives, in the same order, with the same shapes and dtypes."
-    )
-    return "\n".join(lines), culprit
 
 
 def _error_for(first: _Outcome, records: dict[int, dict], world_size: int, others: list[str]) -> RankError:
@@ -491,7 +257,7 @@ def launch(
     env = dict(os.environ)
     procs = [
         ctx.Process(
-            target=_worker_main,
+            target=worker.main,
             name=f"labkit-rank{r}",
             daemon=True,
             args=(
@@ -542,7 +308,7 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) ->
         if failed:
             first = failed[0]
             _stop([p for r, p in enumerate(procs) if r not in outcomes], grace_s=0.2)
-            records = _read_records(run_dir, world_size)
+            records = emulate.read_records(run_dir, world_size)
             others = [
                 f"rank {o.rank} "
                 + (
@@ -567,7 +333,7 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) ->
             # Some ranks returned long ago; the rest are stuck where gloo's timeout did not fire.
             waiting = [r for r in range(world_size) if r not in outcomes]
             _stop([procs[r] for r in waiting], grace_s=0.2)
-            records = _read_records(run_dir, world_size)
+            records = emulate.read_records(run_dir, world_size)
             diag = diagnose_hang(records, world_size)
             text = diag[0] if diag else "no collective record was left"
             raise RankError(

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from labkit import validate
+
 __all__ = ["GPT", "PRESETS", "GPTConfig", "synthetic_batch"]
 
 
@@ -58,12 +60,8 @@ class GPTConfig:
                 continue
             if value is None and f.name in ("ffn_hidden", "n_kv_heads"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                hint = "None" if f.default is None else f.default
-                raise ValueError(
-                    f"GPTConfig.{f.name}={value!r} must be a positive integer; "
-                    f"pass e.g. {f.name}={hint}"
-                )
+            hint = "None" if f.default is None else f.default
+            validate.positive_int(f"GPTConfig.{f.name}", value, f"{f.name}={hint}")
         if self.d_model % self.n_heads != 0:
             lower = self.d_model // self.n_heads * self.n_heads
             raise ValueError(
@@ -296,11 +294,9 @@ def synthetic_batch(
     The same (seed, step) always gives the same batch; a local ``torch.Generator`` is used,
     never the global RNG. Give each data-parallel rank its own ``seed``.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer, e.g. 8")
+    validate.positive_int("batch_size", batch_size, "synthetic_batch(config, 8)")
     for name, value in (("seed", seed), ("step", step)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a non-negative integer, e.g. {name}=0")
+        validate.non_negative_int(name, value, f"{name}=0")
     # torch's CPU generator (mt19937) only uses the low 32 bits of a seed, so seed*K + step
     # would repeat batches; hash the pair to 32 bits instead (collision chance 2**-32).
     digest = hashlib.blake2b(f"labkit.synthetic_batch:{seed}:{step}".encode(), digest_size=4)

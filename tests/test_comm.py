@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.comm import OverlappedDDP, allreduce_gradients_naive, bandwidth_test, bus_bandwidth_factor
+from labkit.bandwidth import bandwidth_test
+from labkit.links import bus_bandwidth_factor
+from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive
 
 STEPS = 5
 BATCH, SEQ, VOCAB, DIM = 8, 4, 10, 16

@@ -1,4 +1,4 @@
-"""labkit.comm.train_steps / summarize_steps on 2 CPU ranks, and capture's quiet profiler start."""
+"""labkit.experiments.unoverlapped_comms.train_steps / summarize_steps on 2 CPU ranks, and capture's quiet profiler start."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit.comm import OverlappedDDP, summarize_steps, train_steps
+from labkit.experiments.unoverlapped_comms import summarize_steps, train_steps
+from labkit.parallel.data import OverlappedDDP
 from labkit.models import GPTConfig
 
 TINY = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16)
@@ -107,7 +108,7 @@ def test_train_steps_validates_modes():
 
 
 def test_capture_drops_kineto_start_stop_lines(capfd):
-    from labkit.trace import _without_kineto_log
+    from labkit.trace.capture import _without_kineto_log
 
     with _without_kineto_log():
         os.write(2, b"USDT:2026-01-01 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

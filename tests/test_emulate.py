@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import labkit
 from labkit import Cluster, Link, MemoryBudget, launch
-from labkit.emulate import collective_time_s
+from labkit.links import collective_time_s
 
 
 def _cluster(bw: float = 1.0, latency_us: float = 10.0, nodes: int = 1, gpus_per_node: int = 2, **kw) -> Cluster:

@@ -1,4 +1,5 @@
-"""labkit.memory: ZeRO and Korthikanti formulas, measurement, FakeTensor estimate, batch finder."""
+"""labkit.memory (ZeRO and Korthikanti formulas), labkit.measure (measurement, FakeTensor estimate,
+batch finder), labkit.batch and lab 02's driver labkit.experiments.oom_batch."""
 
 from __future__ import annotations
 
@@ -9,26 +10,11 @@ import pytest
 import torch
 
 import labkit
-from labkit.memory import (
-    BatchSearch,
-    DPResult,
-    MemoryBreakdown,
-    accumulate_with_no_sync,
-    accumulate_without_no_sync,
-    accumulation_steps,
-    bytes_per_param,
-    choose_micro_batch,
-    dp_train,
-    estimate,
-    estimate_fake,
-    find_max_batch,
-    gpt_activation_bytes,
-    korthikanti_activation_bytes,
-    max_micro_batch,
-    measure,
-    rank_micro_batches,
-    reference_gradients,
-)
+from labkit.batch import accumulation_steps, choose_micro_batch
+from labkit.experiments.oom_batch import DPResult, dp_train, max_micro_batch, rank_micro_batches, reference_gradients
+from labkit.measure import BatchSearch, estimate_fake, find_max_batch, measure
+from labkit.memory import MemoryBreakdown, bytes_per_param, estimate, gpt_activation_bytes, korthikanti_activation_bytes
+from labkit.parallel.data import accumulate_with_no_sync, accumulate_without_no_sync
 from labkit.models import GPT, GPTConfig, synthetic_batch
 
 GB = 1e9  # the ZeRO paper's unit

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.notebooks import (
+from labkit.course.notebooks import (
     _is_stub_error,
     build,
     check,

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from packaging.requirements import Requirement
 
-from labkit.notebooks import check, lint, list_notebooks, outputs_present
+from labkit.course.notebooks import check, lint, list_notebooks, outputs_present
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,7 +83,7 @@ def test_environment_yml_pins_python_and_pip() -> None:
 
 def test_committed_notebooks_have_no_outputs() -> None:
     dirty = outputs_present(list_notebooks(SOLUTIONS) + list_notebooks(LABS))
-    assert not dirty, f"notebooks with outputs (run labkit.notebooks.strip on them): {[str(p) for p in dirty]}"
+    assert not dirty, f"notebooks with outputs (run labkit.course.notebooks.strip on them): {[str(p) for p in dirty]}"
 
 
 def test_labs_are_up_to_date() -> None:

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from labkit.records import LINE_PREFIX, RECORD_MIME, read_records, record
+from labkit.course.records import LINE_PREFIX, RECORD_MIME, read_records, record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def _notebook(*sources: str) -> nbformat.NotebookNode:
 
 def test_records_round_trip_through_an_executed_notebook(tmp_path: Path, kernel_sees_labkit: None) -> None:
     nb = _notebook(
-        "from labkit.records import record",
+        "from labkit.course.records import record",
         "record('before', 812.5)\nrecord('unit', 'ms')",
         "record('after', 2)\nrecord('after', 3)  # the last value wins",
         "record('shape', (2, 3))\nrecord('extra', {'ranks': 2, 'ok': True, 'none': None})",
@@ -86,7 +86,7 @@ def test_key_must_be_a_string() -> None:
 
 
 def test_write_report(tmp_path: Path) -> None:
-    from labkit.report import write_report
+    from labkit.course.report import write_report
 
     nb = _notebook("record(...)")  # outputs as record() leaves them (executed for real above)
     values = {"metric": "step time", "before": 257.123, "after": 190.0, "limit": 200, "unit": "ms", "emulated": True}
@@ -124,7 +124,7 @@ def test_write_report(tmp_path: Path) -> None:
 
 
 def test_write_report_needs_lab_and_status(tmp_path: Path) -> None:
-    from labkit.report import write_report
+    from labkit.course.report import write_report
 
     with pytest.raises(ValueError, match="'status'"):
         write_report(tmp_path, [{"lab": "01"}])

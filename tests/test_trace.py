@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import labkit.runtime
 from labkit.trace import CommLog, capture, classify, overlap, plot_timeline, read_trace, step_lanes
 
 MAIN, GLOO = 1, 2
@@ -165,7 +166,7 @@ def test_capture_validates_arguments():
 
 def worker_capture_overlapped(trace_dir: str) -> dict:
     """Capture OverlappedDDP on this rank; report what the trace holds."""
-    from labkit.comm import OverlappedDDP
+    from labkit.parallel.data import OverlappedDDP
 
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
@@ -211,7 +212,7 @@ def test_capture_overlapped_ddp_two_ranks(tmp_path):
     assert len(fig.axes[0].get_yticklabels()) == 4
 
 
-def test_comm_log_records_issue_to_completion():
+def test_comm_log_records_issue_to_completion(monkeypatch):
     log = CommLog(maxlen=2)
     fut = torch.futures.Future()
 
@@ -225,9 +226,9 @@ def test_comm_log_records_issue_to_completion():
     logged.wait()
     (span,) = log.spans()
     assert (span.name, span.start_ns, span.nbytes) == ("all_reduce x", 100, 64) and span.end_ns > 100
-    assert (
-        log.track(FakeWork(), "cuda one", device="cuda") is None
-    )  # skipped: NCCL futures complete at enqueue
+    with monkeypatch.context() as m:  # a GPU rank, as labkit.runtime decides it
+        m.setattr(labkit.runtime, "on_gpu", lambda: True)
+        assert log.track(FakeWork(), "cuda one") is None  # skipped: NCCL futures complete at enqueue
     log.add("a", 0, 1)
     log.add("b", 0, 1)
     assert [s.name for s in log.spans()] == ["a", "b"]  # maxlen keeps the newest

@@ -1,0 +1,236 @@
+"""Every private torch internal that labkit touches, and nothing else.
+
+torch keeps no promise about names that start with an underscore, so they are fenced
+here: each is listed in `INTERNALS` with what labkit uses it for and the torch releases it
+is known to work on, and `problems()` says, naming the internal and the running torch
+version, which of them is missing or has changed. `tests/test_torch_compat.py` runs it, so
+a torch upgrade that breaks one fails a test with that name instead of somewhere deep
+inside a lab. The rest of the package imports the wrappers below, never `torch._*`,
+`torch.utils._*` or `torch.distributed._*` directly.
+
+Neighbours: `labkit.emulate` (dispatch mode, process-group hooks, the group registry),
+`labkit.measure` (MemTracker, FakeTensor), `labkit.launch` (pytree).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Imported by torch itself at start-up, so these cost nothing here.
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+__all__ = [
+    "INTERNALS",
+    "PROCESS_GROUP_OVERRIDES",
+    "TorchDispatchMode",
+    "allgather_base",
+    "backend_registered",
+    "dispatch_mode_stack",
+    "fake_tensor_mode",
+    "problems",
+    "process_groups",
+    "removing_module_grad_hooks",
+    "reduce_scatter_base",
+    "step_mem_tracker",
+    "tree_leaves",
+    "tree_map",
+]
+
+KNOWN_GOOD = "2.13.0, 2.14.1"
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One private torch name: where it lives, what labkit needs it for, what it looks like."""
+
+    module: str
+    attr: str  # a dotted path inside the module, e.g. "MemTracker._pre_fw_hook"
+    used_for: str
+    params: tuple[str, ...] = ()  # leading parameter names labkit relies on (Python functions)
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+INTERNALS: tuple[Internal, ...] = (
+    Internal("torch.utils._pytree", "tree_map", "launch: move the tensors in a rank's result to the CPU",
+             ("func", "tree")),
+    Internal("torch.utils._pytree", "tree_leaves", "emulate.budget: every tensor an operator returned",
+             ("tree",)),
+    Internal("torch.utils._python_dispatch", "TorchDispatchMode",
+             "emulate.budget: see the outputs of every operator to count their bytes"),
+    Internal("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack",
+             "emulate.budget: find the memory budget active on this thread"),
+    Internal("torch._subclasses.fake_tensor", "FakeTensorMode",
+             "measure.estimate_fake: run a step of a model too large to allocate"),
+    Internal("torch.distributed._tools.mem_tracker", "MemTracker",
+             "measure.measure: bytes per category (parameters, gradients, optimizer, activations)"),
+    Internal("torch.distributed._tools.mem_tracker", "_TOTAL_KEY", "measure.measure: the total of a snapshot"),
+    Internal("torch.distributed._tools.mem_tracker", "MemTracker._pre_fw_hook",
+             "measure.measure: allow several forwards in one step (gradient accumulation)",
+             ("self", "module", "inputs")),
+    Internal("torch.distributed._tools.mem_tracker", "MemTracker._update_peak_stats",
+             "measure.measure: update only the global peak (per-module peaks make big models slow)",
+             ("self", "peak_state")),
+    Internal("torch.distributed._tools.mem_tracker", "MemTracker.reset_mod_stats",
+             "measure.measure: clear per-module stats before a second forward", ("self",)),
+    Internal("torch.distributed._tools.mod_tracker", "register_multi_grad_hook",
+             "measure.measure: remove the hooks ModTracker leaves on module inputs (they leak)",
+             ("tensors", "fn")),
+    Internal("torch.distributed.distributed_c10d", "_world.pg_map",
+             "emulate: find this process's emulated groups to close them before exit"),
+    Internal("torch.distributed", "Backend._plugins", "emulate: register the emulated backend once"),
+    Internal("torch.distributed", "ProcessGroupGloo._allgather_base",
+             "emulate: all_gather_into_tensor on the wrapped gloo group"),
+    Internal("torch.distributed", "ProcessGroupGloo._reduce_scatter_base",
+             "emulate: reduce_scatter_tensor on the wrapped gloo group"),
+    *(
+        Internal("torch.distributed", f"ProcessGroup.{name}", f"emulate: EmulatedProcessGroup overrides {name}")
+        for name in ("_allgather_base", "_reduce_scatter_base", "_set_group_name", "_get_backend")
+    ),
+)
+
+# ProcessGroup methods with a leading underscore that `EmulatedProcessGroup` overrides:
+# torch calls them on a Python subclass (all_gather_into_tensor, reduce_scatter_tensor,
+# group naming and, from torch 2.14, batch_isend_irecv's backend lookup).
+PROCESS_GROUP_OVERRIDES = ("_allgather_base", "_reduce_scatter_base", "_set_group_name", "_get_backend")
+
+
+def _resolve(item: Internal) -> Any:
+    obj: Any = importlib.import_module(item.module)
+    for part in item.attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def problems() -> list[str]:
+    """One line per internal that is missing or no longer looks as labkit expects; [] if all fine."""
+    found = []
+    for item in INTERNALS:
+        where = f"{item.qualname} (labkit uses it in {item.used_for}; known to work on torch {KNOWN_GOOD})"
+        try:
+            obj = _resolve(item)
+        except (ImportError, AttributeError) as exc:
+            found.append(f"{where} is missing on torch {torch.__version__}: {type(exc).__name__}: {exc}")
+            continue
+        if item.params:
+            try:
+                names = tuple(inspect.signature(obj).parameters)[: len(item.params)]
+            except (TypeError, ValueError):
+                names = ()
+            if names != item.params:
+                found.append(
+                    f"{where} changed on torch {torch.__version__}: parameters start {names}, "
+                    f"labkit expects {item.params}"
+                )
+    return found
+
+
+# ------------------------------------------------------------------ pytree, dispatch
+
+
+def dispatch_mode_stack() -> list[Any]:
+    """The TorchDispatchModes active on this thread, outermost first."""
+    return list(_get_current_dispatch_mode_stack())
+
+
+def fake_tensor_mode() -> Any:
+    """A `FakeTensorMode`: tensors made inside have shapes and dtypes but no storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+# ------------------------------------------------------------------- MemTracker
+
+
+def step_mem_tracker() -> Any:
+    """A torch `MemTracker` adjusted for one training step (checked on torch 2.13 and 2.14).
+
+    * MemTracker refuses a second forward of the root module ("multiple iterative calls"),
+      which gradient accumulation does inside one step: clear its per-module stats (not the
+      peak) before such a call;
+    * after every op it updates a peak for every module, which dominates the run time of big
+      models (27 s instead of a few for a fake Llama-2 7B step); labkit reads only the
+      global peak, so only that is updated.
+    """
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class _StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            tracker = self._mod_tracker
+            if module in self.memory_tracking and not tracker.is_bw:
+                name = tracker.get_known_fqn(module)
+                if set(tracker.parents) - {name} == {"Global"}:
+                    self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
+    return _StepMemTracker()
+
+
+@contextlib.contextmanager
+def removing_module_grad_hooks() -> Iterator[None]:
+    """Remove, when the block ends, the backward hooks MemTracker's ModTracker registered in it.
+
+    Each such hook's closure holds the autograd nodes of the tensors it is registered on: a
+    cycle through C++ that Python's collector cannot free, so every tracked step leaked its
+    parameters and gradients (torch 2.13: all but 5 of 29 parameters of a small GPT stayed
+    alive). ModTracker keeps no handles, so `register_multi_grad_hook` in its module is
+    replaced by a recording one only while the block runs.
+    """
+    from torch.distributed._tools import mod_tracker
+
+    handles: list[Any] = []
+    original = mod_tracker.register_multi_grad_hook
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        handle = original(*args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = recording
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+        for handle in handles:
+            handle.remove()
+
+
+# ------------------------------------------------------------- process groups
+
+
+def backend_registered(name: str) -> bool:
+    """Whether a third-party backend of this name is registered with torch.distributed."""
+    return name.upper() in dist.Backend._plugins
+
+
+def process_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process has created (the world group included)."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def allgather_base(pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+    """`pg`'s all-gather into one tensor (what `dist.all_gather_into_tensor` calls)."""
+    return pg._allgather_base(output, input, opts)
+
+
+def reduce_scatter_base(pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+    """`pg`'s reduce-scatter from one tensor (what `dist.reduce_scatter_tensor` calls)."""
+    return pg._reduce_scatter_base(output, input, opts)

@@ -1,0 +1,373 @@
+"""The emulated interconnect: a gloo process group whose collectives take a GPU link's time.
+
+`EmulatedProcessGroup` wraps a real `ProcessGroupGloo`. Every collective does the real gloo
+transfer (numerics stay real) and its work completes no earlier than the α-β model of
+`labkit.links` says it would on a GPU node. Asynchronous collectives complete on a
+background thread, so overlap with compute is real overlap. The group is registered as the
+torch.distributed backend "labkit_emulated"; `labkit.runtime` initialises it on each rank
+of an emulated cluster. Its collective record is `record.py`, the memory budget `budget.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from labkit import _torch_compat as compat
+from labkit.emulate.record import CollectiveRecord
+from labkit.links import Link, Topology, collective_time_s
+
+__all__ = ["BACKEND_NAME", "EmulatedProcessGroup", "close_groups", "register_backend"]
+
+BACKEND_NAME = "labkit_emulated"
+TOPOLOGY_ENV = "LABKIT_TOPOLOGY"
+RECORD_DIR_ENV = "LABKIT_RECORD_DIR"
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _LinkClock:
+    """Serialises modelled transfers on one link direction, like one NCCL stream does.
+
+    A transfer issued while an earlier one is still on the wire starts when that one ends.
+    """
+
+    def __init__(self) -> None:
+        self._busy_until = 0.0
+        self._lock = threading.Lock()
+
+    def reserve(self, now: float, seconds: float) -> float:
+        with self._lock:
+            start = max(now, self._busy_until)
+            self._busy_until = start + seconds
+            return self._busy_until
+
+
+class EmulatedProcessGroup(dist.ProcessGroup):
+    """A gloo process group whose collectives take the modelled time of a GPU interconnect.
+
+    Each call forwards to the wrapped `ProcessGroupGloo` (the data really moves), then a
+    completion thread finishes the returned work when both the gloo transfer is done and
+    the link model's time has passed since the transfer could start on the link.
+    """
+
+    def __init__(
+        self,
+        inner: dist.ProcessGroup,
+        rank: int,
+        size: int,
+        global_ranks: list[int],
+        topology: Topology,
+        timeout: timedelta,
+        record_path: str | None = None,
+    ) -> None:
+        super().__init__(rank, size)
+        self._inner = inner
+        self._global_ranks = list(global_ranks)
+        self._topology = topology
+        self._timeout_s = timeout.total_seconds()
+        self._group_link = topology.slowest_link(self._global_ranks)
+        self._clocks = {"coll": _LinkClock(), "send": _LinkClock(), "recv": _LinkClock()}
+        self.record = CollectiveRecord(record_path)
+        self.modelled_s = 0.0  # total modelled link time issued on this group
+        self._group_name = ""
+        self._pending: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._complete_loop, name="labkit-link", daemon=True)
+        self._thread.start()
+        # Stop the completion thread before interpreter teardown: a thread still inside
+        # torch at exit made workers abort (see DESIGN.md, measured facts).
+        weakref.finalize(self, EmulatedProcessGroup._stop_queue, self._pending)
+
+    # -- bookkeeping --------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND_NAME
+
+    # The C++ base keeps a group's name on its backends, and a Python group has none, so
+    # `group_name` always raised "ProcessGroup name not set"; pipelining in torch 2.14 reads it.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _get_backend(self, device: Any) -> "EmulatedProcessGroup":
+        """A Python process group is its own backend. torch 2.14's `batch_isend_irecv` (used by
+        `torch.distributed.pipelining`) asks every group for its backend, and the C++ base
+        raises for a Python subclass ("No backend type associated with device type cpu");
+        answering with this group keeps every transfer on the modelled link."""
+        return self
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    def link_for(self, peer: int | None = None) -> Link:
+        if peer is None:
+            return self._group_link
+        return self._topology.slowest_link([self._global_ranks[self.rank()], self._global_ranks[peer]])
+
+    @staticmethod
+    def _stop_queue(q: queue.Queue) -> None:
+        q.put(None)
+
+    def close(self) -> None:
+        """Finish the completion thread; called by the launcher before a worker exits."""
+        if not self._closed:
+            self._closed = True
+            self._pending.put(None)
+            self._thread.join(timeout=self._timeout_s + 5)
+
+    def _complete_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            inner_work, done_at, fut, seq, after_inner, result = item
+            try:
+                inner_work.wait()
+                finished = time.perf_counter()
+                if after_inner is not None:
+                    done_at = max(done_at, finished + after_inner)
+                delay = done_at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                self.record.completed(seq)
+                # DDP's reducer reads the reduced bucket from the future, as it does from
+                # gloo's and NCCL's works: the result must be the list of output tensors.
+                fut.set_result(result)
+            except Exception as exc:  # the gloo error (timeout, peer gone) reaches the waiter
+                fut.set_exception(exc)
+            # Drop this thread's references now: otherwise the last bucket stays alive (and
+            # counted by a memory budget) until the next collective arrives.
+            del item, inner_work, fut, result
+
+    def _later(
+        self,
+        start: Callable[[], Any],
+        op: str,
+        tensors: list[torch.Tensor],
+        nbytes: int,
+        peer: int | None = None,
+        result: list[torch.Tensor] | None = None,
+    ):
+        """Start the gloo transfer; return work that completes when it is done and the
+        modelled time has passed. The record is written first, so that a rank which gloo
+        aborts inside `start()` still shows what it was doing.
+
+        Known simplification: the modelled time counts from this rank's issue (or the end of
+        the previous transfer on the link). A rank that waits for a late peer finishes when
+        gloo does, i.e. at the peer's arrival plus the real loopback transfer, not plus the
+        modelled one, so a straggler's cost to its peers is slightly understated."""
+        seq = self.record.issued(op, tensors, peer)
+        inner_work = start()
+        n = self.size()
+        if peer is None:
+            seconds = collective_time_s(op, nbytes, n, self._group_link)
+            clock = self._clocks["coll"]
+        else:
+            seconds = collective_time_s(op, nbytes, 2, self.link_for(peer))
+            clock = self._clocks[op]
+        self.modelled_s += seconds
+        now = time.perf_counter()
+        done_at = clock.reserve(now, seconds)
+        # A receive cannot finish before its data has crossed the link after the send began;
+        # gloo finishing tells us the sender has started, so the model's time is added after it.
+        after_inner = seconds if op == "recv" else None
+        fut: torch.futures.Future = torch.futures.Future()
+        self._pending.put((inner_work, done_at, fut, seq, after_inner, tensors if result is None else result))
+        return _ModelledWork(fut)
+
+    # -- collectives: each forwards to gloo, then models the link -------------------
+    # `nbytes` follows collective_time_s: the buffer of all_reduce / broadcast / reduce, the
+    # output of all_gather and gather, the input of reduce_scatter and scatter.
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        return self._later(lambda: self._inner.allreduce(tensors, opts), "all_reduce", tensors, _nbytes(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        return self._later(lambda: self._inner.allreduce_coalesced(tensors, opts), "all_reduce", tensors,
+                           _nbytes(tensors))
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        return self._later(lambda: self._inner.broadcast(tensors, opts), "broadcast", tensors, _nbytes(tensors))
+
+    def allgather(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._later(lambda: self._inner.allgather(outputs, inputs, opts), "all_gather", inputs,
+                           _nbytes(inputs) * self.size(), result=outputs)
+
+    def _allgather_base(self, output, input, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._later(lambda: compat.allgather_base(self._inner, output, input, opts), "all_gather", [input],
+                           _nbytes([output]), result=[output])
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        start = lambda: _AllWork([compat.allgather_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)])  # noqa: E731
+        return self._later(start, "all_gather", inputs, _nbytes(outputs), result=outputs)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        return self._later(lambda: self._inner.reduce_scatter(outputs, inputs, opts), "reduce_scatter", outputs,
+                           _nbytes(outputs) * self.size())
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        return self._later(lambda: compat.reduce_scatter_base(self._inner, output, input, opts), "reduce_scatter",
+                           [output], _nbytes([input]), result=[output])
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        start = lambda: _AllWork([compat.reduce_scatter_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)])  # noqa: E731
+        return self._later(start, "reduce_scatter", outputs, _nbytes(inputs))
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        return self._later(
+            lambda: self._inner.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
+            "all_to_all", [input], _nbytes([input]), result=[output])
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        return self._later(lambda: self._inner.reduce(tensors, opts), "reduce", tensors, _nbytes(tensors))
+
+    def gather(self, outputs, inputs, opts=None):
+        opts = opts or dist.GatherOptions()
+        return self._later(lambda: self._inner.gather(outputs, inputs, opts), "gather", inputs,
+                           _nbytes(inputs) * self.size(), result=inputs)
+
+    def scatter(self, outputs, inputs, opts=None):
+        opts = opts or dist.ScatterOptions()
+        return self._later(lambda: self._inner.scatter(outputs, inputs, opts), "scatter", outputs,
+                           _nbytes(outputs) * self.size())
+
+    def send(self, tensors, dst, tag=0):
+        return self._later(lambda: self._inner.send(tensors, dst, tag), "send", tensors, _nbytes(tensors), peer=dst)
+
+    def recv(self, tensors, src, tag=0):
+        return self._later(lambda: self._inner.recv(tensors, src, tag), "recv", tensors, _nbytes(tensors), peer=src)
+
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        return self._later(lambda: self._inner.barrier(opts), "barrier", [], 0)
+
+
+class _ModelledWork(dist.Work):
+    """Work that ends when the link model says; `wait()` raises the transfer's error.
+
+    (Work made by `_create_work_from_future` returns from `wait()` even when its future
+    failed, which turned a peer that never joined a collective into a silent wrong result.)
+    """
+
+    def __init__(self, fut: torch.futures.Future) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._fut.wait()  # re-raises the exception set by the completion thread
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+            return True
+        except Exception:
+            return False
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class _AllWork:
+    """Waits for several gloo works, for the coalesced collectives."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+
+def _create_emulated_pg(opts, backend_options) -> EmulatedProcessGroup:
+    """Backend creator registered with torch.distributed (extended API: gets global ranks)."""
+    topology = topology_from_env()
+    inner = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    record_dir = os.environ.get(RECORD_DIR_ENV)
+    path = None
+    if record_dir and ranks == list(range(int(os.environ.get("WORLD_SIZE", opts.group_size)))):
+        path = os.path.join(record_dir, f"record{opts.group_rank}.json")  # the world group only
+    pg = EmulatedProcessGroup(inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path)
+    pg._set_group_name(opts.group_id)  # torch returns a Python group as it is, before naming it
+    return pg
+
+
+def register_backend() -> str:
+    """Register the emulated backend with torch.distributed once per process; return its name."""
+    if not compat.backend_registered(BACKEND_NAME):
+        dist.Backend.register_backend(BACKEND_NAME, _create_emulated_pg, extended_api=True, devices=["cpu"])
+    return BACKEND_NAME
+
+
+
+def topology_to_env(topology: Topology) -> str:
+    return json.dumps(topology.to_dict())
+
+
+def topology_from_env() -> Topology:
+    raw = os.environ.get(TOPOLOGY_ENV)
+    if not raw:
+        raise RuntimeError(
+            f"the {BACKEND_NAME} backend needs ${TOPOLOGY_ENV}; start ranks with labkit.launch(...)"
+        )
+    return Topology.from_dict(json.loads(raw))
+
+
+def close_groups() -> None:
+    """Stop the completion threads of every emulated group in this process."""
+    if not dist.is_initialized():
+        return
+    for pg in compat.process_groups():
+        if isinstance(pg, EmulatedProcessGroup):
+            pg.close()
+
+

@@ -1,0 +1,178 @@
+"""The one α-β cost model of an interconnect: links, topology, collective times, bus bandwidth.
+
+A `Link` is one class of wire (NVLink inside a node, InfiniBand between nodes) with a
+per-message latency α and a one-direction bandwidth β. A `Topology` says which rank sits
+on which node. `collective_time_s` gives the modelled seconds of a collective over the
+slowest link its ranks cross; `bus_bandwidth_factor` turns nccl-tests' algorithm bandwidth
+into bus bandwidth. The emulated process group (`labkit.emulate`), the bandwidth test
+(`labkit.bandwidth`) and the labs' "limit" numbers all use this model, and `default_links`
+scales it to this CPU for the emulated cluster (`labkit.cluster`).
+
+The α-β model and the ring-algorithm step counts follow Thakur, Rabenseifner & Gropp,
+"Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), which is also
+what nccl-tests' bus-bandwidth factors assume
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from labkit import validate
+
+__all__ = [
+    "FLOP_PER_BYTE_INTER",
+    "FLOP_PER_BYTE_INTRA",
+    "Link",
+    "Topology",
+    "bus_bandwidth_factor",
+    "collective_time_s",
+    "default_links",
+    "measure_cpu_gflops",
+]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link (for example NVLink inside a node, InfiniBand between nodes).
+
+    `bandwidth_gb_s` is the bandwidth one rank sees in one direction, in GB/s (1e9 bytes);
+    `latency_us` is the fixed cost α of one message, in microseconds.
+    """
+
+    bandwidth_gb_s: float
+    latency_us: float = 10.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        validate.positive_number("Link bandwidth_gb_s", self.bandwidth_gb_s,
+                                 "Link(bandwidth_gb_s=25), the link's one-direction bandwidth in GB/s")
+        if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
+            raise ValueError(f"Link latency_us={self.latency_us!r} must be a number >= 0; e.g. Link(..., latency_us=5)")
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_gb_s": self.bandwidth_gb_s, "latency_us": self.latency_us, "name": self.name}
+
+
+def collective_time_s(op: str, nbytes: int, n: int, link: Link) -> float:
+    """Modelled seconds for a collective over `n` ranks whose slowest link is `link`.
+
+    `nbytes` is the size of the buffer each rank contributes (all_reduce, broadcast, the
+    output of all_gather, the input of reduce_scatter, one point-to-point message).
+    Ring algorithms: all_reduce is a reduce-scatter then an all-gather, 2(n-1) steps each
+    moving nbytes/n, so T = 2(n-1)·(α + nbytes/(n·β)); all_gather and reduce_scatter take
+    (n-1) such steps; a pipelined ring broadcast costs (n-1)·α + nbytes/β.
+    """
+    if n <= 1:
+        return 0.0
+    a = link.latency_us * 1e-6
+    b = link.bandwidth_gb_s * 1e9
+    if op in ("all_reduce", "barrier"):
+        return 2 * (n - 1) * (a + nbytes / (n * b))
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) * (a + nbytes / (n * b))
+    if op in ("broadcast", "reduce", "gather", "scatter"):
+        return (n - 1) * a + nbytes / b
+    if op in ("send", "recv"):
+        return a + nbytes / b
+    raise ValueError(f"no time model for collective {op!r}")
+
+
+def bus_bandwidth_factor(op: str, world_size: int) -> float:
+    """busbw / algbw as nccl-tests defines it, so that bus bandwidth is comparable to link speed.
+
+    all_reduce 2(n-1)/n; all_gather and reduce_scatter (n-1)/n; broadcast 1
+    (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+    """
+    n = validate.positive_int("world_size", world_size, "bus_bandwidth_factor('all_reduce', 8)")
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "broadcast": 1.0,
+    }
+    validate.one_of("op", op, sorted(factors))
+    return factors[op]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which global rank sits on which node, and the two link classes."""
+
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+
+    def node_of(self, global_rank: int) -> int:
+        return global_rank // self.gpus_per_node
+
+    def slowest_link(self, global_ranks: list[int]) -> Link:
+        """The link a collective over these ranks must cross: inter-node if they span nodes."""
+        nodes = {self.node_of(r) for r in global_ranks}
+        return self.inter_node if len(nodes) > 1 else self.intra_node
+
+    def to_dict(self) -> dict:
+        return {"gpus_per_node": self.gpus_per_node, "intra_node": self.intra_node.to_dict(),
+                "inter_node": self.inter_node.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Topology":
+        return cls(d["gpus_per_node"], Link(**d["intra_node"]), Link(**d["inter_node"]))
+
+
+# ------------------------------------------------------- links scaled to this CPU
+#
+# Why these figures. The emulated link should cost as much *relative to this CPU's
+# compute* as a real link costs relative to a GPU's compute, so that a lab's ratio of
+# communication to computation looks like a GPU node's and not like a loopback socket's.
+#
+# Reference node: 8 x H100 SXM. Dense bf16 peak is 989 TFLOP/s per GPU (NVIDIA H100
+# datasheet); training runs reach about 40-50 % of it, call it 450 TFLOP/s. NVLink 4 gives
+# 450 GB/s per direction per GPU and NCCL's all-reduce bus bandwidth on such a node is about
+# 450 GB/s (nccl-tests on DGX H100), so about 1 byte of link per 1,000 FLOP. Between nodes
+# each GPU has one 400 Gb/s NDR InfiniBand port, 50 GB/s, so about 1 byte per 10,000 FLOP.
+#
+# One core of this CPU (each emulated GPU is one process on one core) reaches a measured
+# number of GFLOP/s in an fp32 matmul; the links get that many FLOP/s divided by 1,000 (intra)
+# and 10,000 (inter), in bytes per second. Latency is not scaled by the compute ratio (that
+# would give milliseconds per message): it is NCCL's few-microsecond latency multiplied by
+# ten, about the factor by which a PyTorch CPU op is slower to launch than a CUDA kernel.
+FLOP_PER_BYTE_INTRA = 1_000.0
+FLOP_PER_BYTE_INTER = 10_000.0
+LATENCY_US_INTRA = 50.0
+LATENCY_US_INTER = 200.0
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_gflops(size: int = 512, repeats: int = 8) -> float:
+    """Median fp32 matmul GFLOP/s on one thread of this CPU (about 0.1 s).
+
+    Measured once per process, so that every emulated cluster a notebook builds has the
+    same links and a before/after comparison is not skewed by a second measurement.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(size, size)
+        b = torch.randn(size, size)
+        a @ b
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return 2 * size**3 / times[len(times) // 2] / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def default_links(cpu_gflops: float) -> tuple[Link, Link]:
+    """Intra-node and inter-node links scaled to this CPU as an H100 node's are to an H100."""
+    intra = Link(cpu_gflops * 1e9 / FLOP_PER_BYTE_INTRA / 1e9, LATENCY_US_INTRA, "emulated NVLink")
+    inter = Link(cpu_gflops * 1e9 / FLOP_PER_BYTE_INTER / 1e9, LATENCY_US_INTER, "emulated InfiniBand")
+    return intra, inter

@@ -1,0 +1,348 @@
+"""Data parallelism: gradients averaged over ranks, the naive way, the overlapped way, and accumulation.
+
+The mistake (lab 03): wait for backward to finish, then all-reduce every gradient one at a
+time (`allreduce_gradients_naive`). Communication and computation never overlap, and every
+small tensor pays the latency of a collective.
+
+The fix is what torch DDP does (Li et al. 2020, "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB, sections 3.2.3-3.2.4): put gradients in
+buckets of about 25 MB, in the order backward produces them (roughly the reverse of the
+forward order), and launch an asynchronous all-reduce on a bucket as soon as its last
+gradient is ready, while backward goes on computing the gradients of earlier layers.
+`OverlappedDDP` is that idea in about a hundred lines, with two small methods that the lab
+asks you to write: the gradient hook (`_on_grad_ready`) and the bucket flush (`_flush`).
+Every collective is logged in a `labkit.trace.CommLog`, so `labkit.trace.capture` can show
+when each one was issued and when it completed.
+
+Gradient accumulation (lab 02): `accumulate_with_no_sync` runs every micro-step but the last
+under `no_sync()`, so a DDP model all-reduces once per optimizer step;
+`accumulate_without_no_sync` is the silent mistake that all-reduces after every micro-step.
+
+Process groups are passed explicitly (`process_group=None` is the default group). The lab
+drivers that time these are in `labkit.experiments`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from labkit import runtime, validate
+from labkit.trace.commlog import CommLog
+
+__all__ = [
+    "OverlappedDDP",
+    "accumulate_with_no_sync",
+    "accumulate_without_no_sync",
+    "allreduce_gradients_naive",
+]
+
+
+# ------------------------------------------------------------------- the mistake
+
+
+def allreduce_gradients_naive(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    comm_log: CommLog | None = None,
+) -> int:
+    """THE MISTAKE: after backward, all-reduce each gradient one by one, synchronously.
+
+    Averages gradients over the group (sum, then divide by world size). A trainable
+    parameter with no gradient gets zeros, so every rank issues the same collectives.
+    Returns the number of collectives launched (one per parameter).
+    """
+    world = dist.get_world_size(process_group)
+    count = 0
+    for p in module.parameters():  # parameters() yields a tied Parameter once
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        t0 = time.perf_counter_ns()
+        with record_function("comm:all_reduce"):
+            dist.all_reduce(p.grad, group=process_group)  # blocks until this one is done
+        if comm_log is not None and not runtime.on_gpu():  # on GPUs the trace's NCCL kernels tell
+            nbytes = p.grad.numel() * p.grad.element_size()
+            comm_log.add(f"all_reduce param{count}", t0, time.perf_counter_ns(), nbytes)
+        p.grad.div_(world)
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------------- the fix
+
+
+@dataclass
+class _Bucket:
+    """Gradients reduced together: a flat buffer and where each parameter sits in it."""
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]  # element offset of each parameter in the flat buffer
+    numel: int
+    pending: int = 0  # parameters whose gradient is not ready yet in this step
+    buffer: torch.Tensor | None = None
+    work: Any = None
+    logged: Any = None  # completes once the CommLog holds this bucket's span
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.params[0].element_size()
+
+
+class OverlappedDDP(nn.Module):
+    """Data parallel wrapper: bucketed gradient all-reduce launched from gradient hooks.
+
+    Use it like torch DDP, plus one explicit call before the optimizer step:
+
+        model = OverlappedDDP(net, bucket_cap_mb=25, process_group=pg)
+        loss = loss_fn(model(x), y)
+        loss.backward()                         # buckets are all-reduced during backward
+        model.finish_gradient_synchronization() # wait for the last ones, average
+        optimizer.step()
+
+    * At construction rank 0's parameters and buffers are broadcast, so all ranks start equal.
+    * Buckets hold trainable parameters in reverse registration order (torch DDP's initial
+      bucket order, Li et al. 2020 section 3.2.3), at most `bucket_cap_mb` MiB each (a
+      larger parameter gets a bucket of its own), one dtype and device per bucket.
+    * Buckets are launched strictly in index order, so every rank issues the same
+      collectives in the same order even when gradients become ready in a different order.
+    * Frozen parameters (requires_grad=False) are never bucketed. A Parameter used twice
+      (tied embedding and LM head) is bucketed once; autograd accumulates both uses before
+      its hook fires. A parameter with no gradient in a step (unused) holds its bucket back
+      until `finish_gradient_synchronization`, which flushes what is left with zeros for
+      missing gradients: no rank hangs, and that parameter ends the step with a zero
+      gradient (torch DDP with find_unused_parameters=True also all-reduces a bitmap to
+      leave globally unused gradients at None; we do not).
+    * Wrap the module after moving it to its device: buckets are laid out at construction.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        validate.positive_number("bucket_cap_mb", bucket_cap_mb,
+                                 "25 (MiB, torch DDP's default), or 1e-6 for one bucket per parameter")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "OverlappedDDP needs an initialised process group; run it inside "
+                "labkit.launch(...) or after dist.init_process_group(...)."
+            )
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.comm_log = CommLog()
+        self.num_collectives = 0  # collectives launched in the last finished step
+        self.launched_in_backward = 0  # of those, launched by hooks while backward ran
+        self._launched = 0
+        self._next_bucket = 0  # the next bucket to launch; buckets go in order
+        self._ready: set[int] = set()  # ids of parameters whose gradient is ready this step
+        self._require_sync = True
+
+        self._broadcast_from_rank0()
+        self.buckets = self._assign_buckets()
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            b.pending = len(b.params)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
+        ]
+
+    # -- setup -------------------------------------------------------------------
+
+    def _broadcast_from_rank0(self) -> None:
+        """Copy rank 0's parameters and buffers to every rank (Li et al. 2020, section 3.2.1)."""
+        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        seen: set[int] = set()
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                flat = t.data if t.data.is_contiguous() else t.data.contiguous()
+                dist.broadcast(flat, src=src, group=self.process_group)
+                if flat is not t.data:
+                    t.data.copy_(flat)
+
+    def _assign_buckets(self) -> list[_Bucket]:
+        """Trainable parameters, deduplicated by identity, reversed, cut into buckets."""
+        names: dict[int, str] = {}
+        params: list[nn.Parameter] = []
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if p.requires_grad and id(p) not in names:
+                names[id(p)] = name
+                params.append(p)
+        params.reverse()  # gradients of the last layers are ready first
+
+        buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
+            if current and (size + nbytes > self.bucket_cap_bytes or not same_kind):
+                buckets.append(self._make_bucket(len(buckets), current, names))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            buckets.append(self._make_bucket(len(buckets), current, names))
+        return buckets
+
+    @staticmethod
+    def _make_bucket(index: int, params: list[nn.Parameter], names: dict[int, str]) -> _Bucket:
+        offsets, numel = [], 0
+        for p in params:
+            offsets.append(numel)
+            numel += p.numel()
+        return _Bucket(index, list(params), offsets, numel, names=[names[id(p)] for p in params])
+
+    # -- the two pieces of the exercise -------------------------------------------
+
+    # EXERCISE PART 1: the hook. Called by autograd once a parameter's .grad holds its
+    # final value for this backward (register_post_accumulate_grad_hook). Mark the
+    # parameter ready; when its bucket is complete, launch every complete bucket in order.
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._require_sync:
+            return  # inside no_sync(): gradients only accumulate locally
+        if id(param) in self._ready:
+            raise RuntimeError(
+                "a parameter's gradient became ready twice before finish_gradient_synchronization(); "
+                "call it after every backward, wrap the accumulation backwards in model.no_sync(), or "
+                "call remove_hooks() before training the wrapped module without OverlappedDDP."
+            )
+        self._ready.add(id(param))
+        bucket = self._bucket_of[id(param)]
+        bucket.pending -= 1
+        # Launch in index order only: a collective issued out of order on one rank would be
+        # matched with a different bucket on another rank.
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            self._flush(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    # EXERCISE PART 2: the bucket flush. Copy the bucket's gradients into one flat buffer
+    # and start an asynchronous all-reduce on it; backward goes on while it runs.
+    def _flush(self, bucket: _Bucket) -> None:
+        first = bucket.params[0]
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
+        for p, off in zip(bucket.params, bucket.offsets):
+            view = bucket.buffer[off : off + p.numel()]
+            if p.grad is None:
+                view.zero_()  # unused in this step: contribute nothing, but take part
+            else:
+                view.copy_(p.grad.reshape(-1))
+        t0 = time.perf_counter_ns()
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        self._after_launch(bucket, t0)
+
+    def _after_launch(self, bucket: _Bucket, start_ns: int) -> None:
+        """Bookkeeping, not part of the algorithm: count the collective, log it for traces."""
+        name = f"all_reduce bucket{bucket.index}"
+        bucket.logged = self.comm_log.track(bucket.work, name, bucket.nbytes, start_ns=start_ns)
+        self._launched += 1
+
+    # -- the step ------------------------------------------------------------------
+
+    def finish_gradient_synchronization(self) -> None:
+        """Flush buckets still waiting (unused parameters), wait for all, average, copy back.
+
+        Call after backward and before `optimizer.step()`; it resets the state for the next step.
+        """
+        self.launched_in_backward = self._launched
+        while self._next_bucket < len(self.buckets):  # the same order on every rank
+            self._flush(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+        with record_function("comm:wait"):
+            for bucket in self.buckets:
+                bucket.work.wait()
+                if bucket.logged is not None:
+                    bucket.logged.wait()
+        for bucket in self.buckets:
+            bucket.buffer.div_(self.world_size)  # sum -> mean
+            for p, off in zip(bucket.params, bucket.offsets):
+                avg = bucket.buffer[off : off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+            bucket.work = bucket.logged = None
+            bucket.pending = len(bucket.params)
+        self.num_collectives = self._launched
+        self._launched = 0
+        self._next_bucket = 0
+        self._ready.clear()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward only accumulates gradients locally; the next synced backward sends the sum."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def remove_hooks(self) -> nn.Module:
+        """Remove the gradient hooks from the wrapped module's parameters and return it.
+
+        The hooks live on the parameters, so the bare `.module` still triggers them; call
+        this before training it without the wrapper (for example with the naive all-reduce).
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        return self.module
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def bucket_summary(self) -> list[dict[str, Any]]:
+        """One row per bucket: index, number of parameters, bytes and parameter names."""
+        return [
+            {"bucket": b.index, "params": len(b.params), "bytes": b.nbytes, "names": list(b.names)}
+            for b in self.buckets
+        ]
+
+
+# ---------------------------------------------------------- gradient accumulation
+
+
+def accumulate_with_no_sync(ddp: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Sum the gradients of ``mean loss / len(batches)`` over the micro-batches; one all-reduce.
+
+    Every micro-step but the last runs inside ``ddp.no_sync()``, so DDP only accumulates the
+    local gradients; the last backward all-reduces the sum, bucket by bucket (PyTorch docs,
+    ``DistributedDataParallel.no_sync``).
+    """
+    n = len(batches)
+    for x, y in batches[:-1]:
+        with ddp.no_sync():
+            (ddp(x, y) / n).backward()
+    x, y = batches[-1]
+    (ddp(x, y) / n).backward()
+
+
+def accumulate_without_no_sync(ddp: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The silent mistake: the same gradients, but DDP all-reduces after every micro-step."""
+    n = len(batches)
+    for x, y in batches:
+        (ddp(x, y) / n).backward()

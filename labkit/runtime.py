@@ -1,0 +1,156 @@
+"""Inside a rank: its device, its cluster, its process group, its timer and its memory stats.
+
+This is the one place that decides whether a rank computes on a real GPU or on the
+emulated cluster (`on_gpu`); every other module asks it instead of looking at backends,
+tensors or CUDA state. `labkit.launch` starts the ranks and calls `init_process_group`
+on each; the experiment drivers (`labkit.experiments`), the bandwidth test and the trace
+capture read `device()`, `clock()` and the memory functions here.
+
+Outside `labkit.launch` (a plain script, torchrun) a rank is on a GPU when CUDA is there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from labkit import emulate
+from labkit.cluster import Cluster
+
+__all__ = [
+    "CLUSTER_ENV",
+    "clock",
+    "current_cluster",
+    "device",
+    "init_process_group",
+    "max_memory_allocated",
+    "memory_allocated",
+    "on_gpu",
+    "peak_bytes",
+    "reset_peak_memory_stats",
+    "synchronize",
+]
+
+CLUSTER_ENV = "LABKIT_CLUSTER"
+
+
+# ------------------------------------------------------------- where am I
+
+
+def current_cluster() -> Cluster | None:
+    """The cluster this rank was launched on (None outside `labkit.launch`)."""
+    raw = os.environ.get(CLUSTER_ENV)
+    return Cluster.from_json(raw) if raw else None
+
+
+def on_gpu() -> bool:
+    """Does this rank compute on a CUDA device? No on the emulated cluster, even on a GPU machine."""
+    cluster = current_cluster()
+    return torch.cuda.is_available() and (cluster is None or not cluster.is_emulated)
+
+
+def device() -> torch.device:
+    """This rank's device: `cuda:LOCAL_RANK` on a GPU cluster, else the CPU."""
+    if on_gpu():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ timer
+
+
+def synchronize() -> None:
+    """Wait until this rank's device has finished its queued work (a no-op on the CPU)."""
+    if on_gpu() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def clock() -> float:
+    """Seconds on this rank's timer, after the device has finished its queued work.
+
+    On GPUs kernels run asynchronously, so the device is synchronised before the wall clock
+    is read; on the emulated cluster compute is synchronous and this is the wall clock.
+    """
+    synchronize()
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------- process group
+
+
+def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist.Store,
+                       timeout: timedelta) -> None:
+    """The default group of one launched rank: NCCL on a GPU cluster, the emulated backend else.
+
+    Each emulated GPU gets its share of the CPU cores, as each real GPU is its own device.
+    On a GPU with `cluster.memory_gib`, the CUDA allocator's cap is set to that much memory.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cluster.is_emulated:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        backend, extra = emulate.register_backend(), {}
+    else:
+        torch.cuda.set_device(local_rank)
+        if cluster.memory_gib:
+            total = torch.cuda.get_device_properties(local_rank).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cluster.memory_gib * 2**30 / total))
+        backend, extra = "nccl", {"device_id": torch.device("cuda", local_rank)}
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
+                            timeout=timeout, **extra)
+
+
+def init_torchrun_group(timeout: timedelta) -> bool:
+    """Initialise the default group of a torchrun-started rank if it has none; True if created."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timeout)
+    return True
+
+
+# ----------------------------------------------------------------- memory
+
+
+def _cuda(dev: torch.device | str | None) -> bool:
+    return torch.device(dev).type == "cuda" if dev is not None else on_gpu()
+
+
+def memory_allocated(device: torch.device | str | None = None) -> int:
+    """Bytes in live tensors: CUDA's allocator on a GPU, the emulated budget on the CPU (0 without one)."""
+    if _cuda(device):
+        return torch.cuda.memory_allocated(device)
+    budget = emulate.active_budget()
+    return budget.allocated if budget is not None else 0
+
+
+def max_memory_allocated(device: torch.device | str | None = None) -> int:
+    """Peak bytes in live tensors since the last `reset_peak_memory_stats`."""
+    if _cuda(device):
+        return torch.cuda.max_memory_allocated(device)
+    budget = emulate.active_budget()
+    return budget.peak if budget is not None else 0
+
+
+def reset_peak_memory_stats(device: torch.device | str | None = None) -> None:
+    """Start a new peak at the bytes in use now."""
+    if _cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    budget = emulate.active_budget()
+    if budget is not None:
+        budget.reset_peak()
+
+
+def peak_bytes() -> tuple[int, str] | None:
+    """(peak bytes since the last reset, what measured it) on this rank; None when nothing
+    tracks memory here (the CPU without an emulated budget: use `labkit.measure.measure`)."""
+    if on_gpu():
+        return torch.cuda.max_memory_allocated(device()), "torch.cuda.max_memory_allocated"
+    budget = emulate.active_budget()
+    return (budget.peak, "emulated budget") if budget is not None else None
