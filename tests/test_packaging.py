@@ -116,3 +116,17 @@ def test_readme_shows_the_ci_test_command() -> None:
     assert command in readme.read_text(encoding="utf-8"), (
         f"README.md must show the same test command as .ci/run: {command!r}"
     )
+
+
+def test_the_wheel_holds_every_subpackage(tmp_path):
+    """A regular (non-editable) install gets labkit/emulate, parallel, trace, ... too."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(REPO),
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("labkit-*.whl")
+    packaged = {n.rsplit("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/__init__.py")}
+    on_disk = {str(p.parent.relative_to(REPO)) for p in (REPO / "labkit").rglob("__init__.py")}
+    assert on_disk <= packaged, f"missing from the wheel: {sorted(on_disk - packaged)}"
