@@ -36,6 +36,9 @@ __all__ = [
     "backend_registered",
     "dispatch_mode_stack",
     "fake_tensor_mode",
+    "graph_task_id",
+    "in_backward",
+    "queue_backward_callback",
     "problems",
     "process_groups",
     "removing_module_grad_hooks",
@@ -90,6 +93,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("torch.distributed.distributed_c10d", "_world.pg_map",
              "emulate: find this process's emulated groups to close them before exit"),
     Internal("torch.distributed", "Backend._plugins", "emulate: register the emulated backend once"),
+    Internal("torch._C", "_current_graph_task_id",
+             "emulate.timing: is this thread inside backward (where DDP's reducer waits in C++)?"),
+    Internal("torch.autograd", "Variable._execution_engine.queue_callback",
+             "emulate.timing: run a callback when the current backward ends"),
     Internal("torch.distributed", "ProcessGroupGloo._allgather_base",
              "emulate: all_gather_into_tensor on the wrapped gloo group"),
     Internal("torch.distributed", "ProcessGroupGloo._reduce_scatter_base",
@@ -211,6 +218,23 @@ def removing_module_grad_hooks() -> Iterator[None]:
         mod_tracker.register_multi_grad_hook = original
         for handle in handles:
             handle.remove()
+
+
+# ------------------------------------------------------------------- autograd
+
+
+def graph_task_id() -> int:
+    """The id of the backward running on this thread, -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    return graph_task_id() != -1
+
+
+def queue_backward_callback(fn: Any) -> None:
+    """Run `fn()` when the current backward ends (after callbacks queued before it)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 # ------------------------------------------------------------- process groups

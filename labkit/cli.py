@@ -58,6 +58,10 @@ def doctor(args: argparse.Namespace) -> int:
     except (ValueError, OSError, AttributeError):
         pass
     print(f"torch     {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    from labkit import calibrate
+
+    calibration = calibrate.cpu_gflops(recalibrate=args.recalibrate)
+    print(f"cpu       {calibration.describe()}")
     real = Cluster.detect()
     if real.gpu_count:
         print(real.describe())
@@ -160,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}/{len(notebooks)}] {lab}: {verdict} in {entry['seconds']} s", flush=True)
         if entry["status"] != "passed":
             failed.append(f"{lab} {entry['error']}")
-    json_path, md_path = write_report(out, results)
+    from labkit import calibrate
+
+    json_path, md_path = write_report(out, results, calibration=calibrate.cpu_gflops().to_dict())
     print(f"report: {md_path} (and {json_path.name})")
     if failed:
         print("labkit run: failed: " + "; ".join(failed), file=sys.stderr)
@@ -178,7 +184,7 @@ def report(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     data = json.loads(previous.read_text())
     results = data.get("labs", data) if isinstance(data, dict) else data
-    json_path, md_path = write_report(run_dir, results)
+    json_path, md_path = write_report(run_dir, results, calibration=data.get("calibration") if isinstance(data, dict) else None)
     print(f"report: {md_path}")
     return 0
 
@@ -212,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("doctor", help="hardware, backend, versions and a 2-rank smoke test")
     p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"])
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure this CPU's GFLOP/s again (the emulated links' scale) and update the cache")
     p.set_defaults(func=doctor)
 
     p = sub.add_parser("run", help="execute the solution notebooks with papermill and write a report")

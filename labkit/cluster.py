@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from labkit import validate
-from labkit.links import FLOP_PER_BYTE_INTER, FLOP_PER_BYTE_INTRA, Link, Topology, default_links, measure_cpu_gflops
+from labkit import calibrate, validate
+from labkit.links import FLOP_PER_BYTE_INTER, FLOP_PER_BYTE_INTRA, Link, Topology, default_links
 
 __all__ = ["GPU", "Cluster"]
 
@@ -40,9 +40,11 @@ class Cluster:
     gpus: tuple[GPU, ...] = ()
     topology_matrix: str = ""
     cpu_gflops: float | None = None
+    calibration: str = ""  # where cpu_gflops came from (labkit.calibrate)
     torch_version: str = field(default_factory=lambda: torch.__version__)
     nccl_version: str | None = None
     reason: str = ""
+    clock: str = "virtual"  # emulated only: "virtual" (the rank's device clock) or "wall"
 
     # -- construction ----------------------------------------------------------
 
@@ -54,19 +56,24 @@ class Cluster:
         intra_node: Link | None = None,
         inter_node: Link | None = None,
         memory_gib: float | None = None,
+        clock: str = "virtual",
     ) -> "Cluster":
         """A pretend cluster of CPU processes. Links default to this CPU's scaled figures.
 
-        `memory_gib` is each rank's memory budget (None: no budget is enforced).
+        `memory_gib` is each rank's memory budget (None: no budget is enforced). `clock`:
+        "virtual" (default) times every rank on its own emulated-GPU clock (`labkit.emulate.clock`),
+        exact on a busy machine; "wall" times it on the wall clock, as it runs.
         """
+        validate.one_of("Cluster.emulated clock", clock, ("virtual", "wall"), "Cluster.emulated(clock='virtual')")
         for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
             validate.positive_int(f"Cluster.emulated {name}", value, "Cluster.emulated(nodes=2, gpus_per_node=2)")
         if memory_gib is not None:
             validate.positive_number("Cluster.emulated memory_gib", memory_gib,
                                      "memory_gib=0.25 for a 256 MiB budget per rank, or None for none")
-        gflops = None
+        gflops, source = None, ""
         if intra_node is None or inter_node is None:
-            gflops = measure_cpu_gflops()
+            calibration = calibrate.cpu_gflops()
+            gflops, source = calibration.gflops, calibration.describe()
             d_intra, d_inter = default_links(gflops)
             intra_node = intra_node or d_intra
             inter_node = inter_node or d_inter
@@ -77,7 +84,9 @@ class Cluster:
             intra_node=intra_node,
             inter_node=inter_node,
             memory_gib=memory_gib,
+            clock=clock,
             cpu_gflops=gflops,
+            calibration=source,
         )
 
     @classmethod
@@ -194,8 +203,15 @@ class Cluster:
                     f"  links scaled from this CPU's {self.cpu_gflops:.1f} GFLOP/s per core "
                     f"(1 byte per {FLOP_PER_BYTE_INTRA:,.0f} FLOP intra-node, {FLOP_PER_BYTE_INTER:,.0f} inter-node)"
                 )
+                if self.calibration:
+                    lines.append(f"  calibration: {self.calibration}")
             budget = "none" if self.memory_gib is None else f"{self.memory_gib * 1024:.0f} MiB"
             lines.append(f"  memory budget per rank: {budget}")
+            if self.clock == "virtual":
+                lines.append("  time: each rank's virtual device clock (its main thread's CPU time, plus waiting "
+                             "for collectives as the link model says)")
+            else:
+                lines.append("  time: the wall clock (every emulated GPU needs a free core)")
         else:
             lines.append(
                 f"GPU node: {self.gpu_count} GPU(s), NCCL {self.nccl_version or '?'}, torch {self.torch_version}"

@@ -6,7 +6,7 @@ on which node. `collective_time_s` gives the modelled seconds of a collective ov
 slowest link its ranks cross; `bus_bandwidth_factor` turns nccl-tests' algorithm bandwidth
 into bus bandwidth. The emulated process group (`labkit.emulate`), the bandwidth test
 (`labkit.bandwidth`) and the labs' "limit" numbers all use this model, and `default_links`
-scales it to this CPU for the emulated cluster (`labkit.cluster`).
+scales it to this CPU (`labkit.calibrate`) for the emulated cluster (`labkit.cluster`).
 
 The α-β model and the ring-algorithm step counts follow Thakur, Rabenseifner & Gropp,
 "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), which is also
@@ -16,11 +16,7 @@ what nccl-tests' bus-bandwidth factors assume
 
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
-
-import torch
 
 from labkit import validate
 
@@ -32,7 +28,6 @@ __all__ = [
     "bus_bandwidth_factor",
     "collective_time_s",
     "default_links",
-    "measure_cpu_gflops",
 ]
 
 
@@ -137,7 +132,7 @@ class Topology:
 # each GPU has one 400 Gb/s NDR InfiniBand port, 50 GB/s, so about 1 byte per 10,000 FLOP.
 #
 # One core of this CPU (each emulated GPU is one process on one core) reaches a measured
-# number of GFLOP/s in an fp32 matmul; the links get that many FLOP/s divided by 1,000 (intra)
+# number of GFLOP/s in an fp32 matmul (`labkit.calibrate`); the links get that many FLOP/s divided by 1,000 (intra)
 # and 10,000 (inter), in bytes per second. Latency is not scaled by the compute ratio (that
 # would give milliseconds per message): it is NCCL's few-microsecond latency multiplied by
 # ten, about the factor by which a PyTorch CPU op is slower to launch than a CUDA kernel.
@@ -145,30 +140,6 @@ FLOP_PER_BYTE_INTRA = 1_000.0
 FLOP_PER_BYTE_INTER = 10_000.0
 LATENCY_US_INTRA = 50.0
 LATENCY_US_INTER = 200.0
-
-
-@functools.lru_cache(maxsize=None)
-def measure_cpu_gflops(size: int = 512, repeats: int = 8) -> float:
-    """Median fp32 matmul GFLOP/s on one thread of this CPU (about 0.1 s).
-
-    Measured once per process, so that every emulated cluster a notebook builds has the
-    same links and a before/after comparison is not skewed by a second measurement.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(size, size)
-        b = torch.randn(size, size)
-        a @ b
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        return 2 * size**3 / times[len(times) // 2] / 1e9
-    finally:
-        torch.set_num_threads(threads)
 
 
 def default_links(cpu_gflops: float) -> tuple[Link, Link]:

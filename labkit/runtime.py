@@ -11,6 +11,7 @@ Outside `labkit.launch` (a plain script, torchrun) a rank is on a GPU when CUDA 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from datetime import timedelta
@@ -30,6 +31,7 @@ __all__ = [
     "max_memory_allocated",
     "memory_allocated",
     "on_gpu",
+    "on_virtual_clock",
     "peak_bytes",
     "reset_peak_memory_stats",
     "synchronize",
@@ -43,8 +45,18 @@ CLUSTER_ENV = "LABKIT_CLUSTER"
 
 def current_cluster() -> Cluster | None:
     """The cluster this rank was launched on (None outside `labkit.launch`)."""
-    raw = os.environ.get(CLUSTER_ENV)
+    return _cluster(os.environ.get(CLUSTER_ENV))
+
+
+@functools.lru_cache(maxsize=4)
+def _cluster(raw: str | None) -> Cluster | None:
     return Cluster.from_json(raw) if raw else None
+
+
+def on_virtual_clock() -> bool:
+    """Is this rank timed on its virtual device clock (an emulated cluster with clock="virtual")?"""
+    cluster = current_cluster()
+    return cluster is not None and cluster.is_emulated and cluster.clock == "virtual"
 
 
 def on_gpu() -> bool:
@@ -70,11 +82,15 @@ def synchronize() -> None:
 
 
 def clock() -> float:
-    """Seconds on this rank's timer, after the device has finished its queued work.
+    """Seconds on this rank's timer; take differences of two readings.
 
-    On GPUs kernels run asynchronously, so the device is synchronised before the wall clock
-    is read; on the emulated cluster compute is synchronous and this is the wall clock.
+    On the emulated cluster, by default, the rank's virtual device clock
+    (`labkit.emulate.clock`): the time its emulated GPU would show, the same on a busy
+    machine. On GPUs (and on an emulated cluster with clock="wall") the wall clock, read
+    after the device has finished its queued work (kernels run asynchronously).
     """
+    if on_virtual_clock():
+        return emulate.rank_clock().now()
     synchronize()
     return time.perf_counter()
 
@@ -86,12 +102,16 @@ def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist
                        timeout: timedelta) -> None:
     """The default group of one launched rank: NCCL on a GPU cluster, the emulated backend else.
 
-    Each emulated GPU gets its share of the CPU cores, as each real GPU is its own device.
-    On a GPU with `cluster.memory_gib`, the CUDA allocator's cap is set to that much memory.
+    On the virtual clock each emulated GPU computes on one intra-op thread (its clock is that
+    thread's CPU time); on the wall clock it gets its share of the cores, as each real GPU is
+    its own device. On a GPU with `cluster.memory_gib`, the CUDA allocator's cap is set.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cluster.is_emulated:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        threads = 1 if cluster.clock == "virtual" else max(1, (os.cpu_count() or 1) // world_size)
+        torch.set_num_threads(threads)
+        if cluster.clock == "virtual":
+            _pin_to_one_core(rank)
         backend, extra = emulate.register_backend(), {}
     else:
         torch.cuda.set_device(local_rank)
@@ -101,6 +121,19 @@ def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist
         backend, extra = "nccl", {"device_id": torch.device("cuda", local_rank)}
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
                             timeout=timeout, **extra)
+
+
+def _pin_to_one_core(rank: int) -> None:
+    """Keep this rank (and the gloo threads it starts next) on one of the cores it may use.
+
+    The virtual clock counts CPU time, and a process that migrates between cores pays for
+    the cold caches in CPU time: unpinned, lab 03's compute-alone step measured 131-192 ms
+    over four launches on 2 cores; pinned, 134-138 ms. Ranks share cores round-robin.
+    """
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        if cores:
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
 def init_torchrun_group(timeout: timedelta) -> bool:

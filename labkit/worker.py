@@ -94,6 +94,7 @@ def _rank_env(rank: int, world_size: int, cluster: Cluster, cluster_json: str, r
         runtime.CLUSTER_ENV: cluster_json,
         emulate.TOPOLOGY_ENV: emulate.topology_to_env(cluster.topology()),
         emulate.RECORD_DIR_ENV: run_dir,
+        emulate.CLOCK_ENV: cluster.clock,
     }
 
 

@@ -19,7 +19,7 @@ LABS = sorted((ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
 
 # Small parameters: the whole suite must stay under 15 minutes on 2 cores.
 SMALL = {
-    "00_cluster_tour": {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 2},
+    "00_cluster_tour": {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 10},
     "02_oom_batch": {"cluster": "cpu"},
     "03_unoverlapped_comms": {"cluster": "cpu"},
 }
@@ -41,15 +41,15 @@ def _check_records(name: str, rec: dict) -> None:
         assert key in rec, f"{name} did not record {key!r}"
     if name == "00_cluster_tour":
         assert 0 < rec["before"] < rec["after"] <= rec["limit"] * 1.1
+        sweep = rec["sweep"]  # the virtual clock honours the latency term: every size follows the model
+        assert len(sweep) == 3 and all(r["time_ms"] > 0 for r in sweep)
     elif name == "02_oom_batch":
         assert rec["after"] <= rec["limit"] < rec["before"]
     elif name == "03_unoverlapped_comms":
-        # The notebook itself asserts the timing (after/before <= 0.9, after/limit <= 1.5); the
-        # course's tighter targets (0.8, 1.25) are a benchmark: benchmarks/lab03_ratios.py.
-        # Here, what a loaded runner cannot change: the fix moved the number, and the traces
-        # and counts say why.
+        # Times on the emulated cluster's virtual clock are a model output: the course's targets
+        # hold on a loaded runner too. The traces and counts say why.
         assert rec["emulated"] is True and rec["unit"] == "ms"
-        assert 0 < rec["limit"] and rec["after"] < rec["before"]
+        assert 0 < rec["limit"] and rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
         assert rec["overlap_pct_before"] < 5 < 50 < rec["overlap_pct_after"]
         assert rec["collectives_after"] < rec["collectives_before"]
         assert rec["max_abs_diff"] < 1e-5

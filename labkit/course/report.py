@@ -94,7 +94,7 @@ def _lab_entry(run_dir: Path, result: dict[str, Any], html: bool) -> dict[str, A
     return entry
 
 
-def _markdown(entries: list[dict[str, Any]]) -> str:
+def _markdown(entries: list[dict[str, Any]], calibration: dict[str, Any] | None = None) -> str:
     counts: dict[str, int] = {}
     for entry in entries:
         counts[entry["status"]] = counts.get(entry["status"], 0) + 1
@@ -104,6 +104,8 @@ def _markdown(entries: list[dict[str, Any]]) -> str:
         "",
         f"{summary}.",
         "",
+        *([f"Emulated links scaled to this CPU's {calibration['gflops']:.1f} GFLOP/s per core "
+           f"({calibration['source']}; {calibration['machine']}).", ""] if calibration else []),
         "| lab | metric | before | after | limit | unit | measured on | status | seconds |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -144,16 +146,22 @@ def _markdown(entries: list[dict[str, Any]]) -> str:
     return text.rstrip("\n") + "\n"
 
 
-def write_report(run_dir: str | Path, results: list[dict[str, Any]], html: bool = True) -> tuple[Path, Path]:
+def write_report(run_dir: str | Path, results: list[dict[str, Any]], html: bool = True,
+                 calibration: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """Write ``run_dir/report.json`` and ``run_dir/report.md``; return their paths.
 
-    Raises ValueError if a result lacks ``lab`` or ``status``.
+    ``calibration`` (``labkit.calibrate.Calibration.to_dict()``) is the CPU figure the
+    emulated links were scaled to; it is written into both. Raises ValueError if a result
+    lacks ``lab`` or ``status``.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     entries = [_lab_entry(run_dir, result, html) for result in results]
     json_path = run_dir / "report.json"
     md_path = run_dir / "report.md"
-    json_path.write_text(json.dumps({"labs": entries}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    md_path.write_text(_markdown(entries), encoding="utf-8")
+    data: dict[str, Any] = {"labs": entries}
+    if calibration:
+        data["calibration"] = calibration
+    json_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    md_path.write_text(_markdown(entries, calibration), encoding="utf-8")
     return json_path, md_path

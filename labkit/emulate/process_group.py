@@ -10,11 +10,11 @@ of an emulated cluster. Its collective record is `record.py`, the memory budget 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import threading
-import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
@@ -23,43 +23,30 @@ import torch
 import torch.distributed as dist
 
 from labkit import _torch_compat as compat
+from labkit.emulate.clock import rank_clock
 from labkit.emulate.record import CollectiveRecord
+from labkit.emulate.timing import VirtualTiming, WallTiming, called_by_ddp_reducer, caller_frame
 from labkit.links import Link, Topology, collective_time_s
 
-__all__ = ["BACKEND_NAME", "EmulatedProcessGroup", "close_groups", "register_backend"]
+__all__ = ["BACKEND_NAME", "EmulatedProcessGroup", "close_groups", "register_backend", "wait_at_end_of_backward"]
 
 BACKEND_NAME = "labkit_emulated"
 TOPOLOGY_ENV = "LABKIT_TOPOLOGY"
 RECORD_DIR_ENV = "LABKIT_RECORD_DIR"
+CLOCK_ENV = "LABKIT_CLOCK"  # "virtual" (default) or "wall"
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class _LinkClock:
-    """Serialises modelled transfers on one link direction, like one NCCL stream does.
-
-    A transfer issued while an earlier one is still on the wire starts when that one ends.
-    """
-
-    def __init__(self) -> None:
-        self._busy_until = 0.0
-        self._lock = threading.Lock()
-
-    def reserve(self, now: float, seconds: float) -> float:
-        with self._lock:
-            start = max(now, self._busy_until)
-            self._busy_until = start + seconds
-            return self._busy_until
-
-
 class EmulatedProcessGroup(dist.ProcessGroup):
     """A gloo process group whose collectives take the modelled time of a GPU interconnect.
 
     Each call forwards to the wrapped `ProcessGroupGloo` (the data really moves), then a
-    completion thread finishes the returned work when both the gloo transfer is done and
-    the link model's time has passed since the transfer could start on the link.
+    completion thread finishes the returned work once the gloo transfer is done, with the
+    completion time that `timing` gives (`timing.py`): on the ranks' virtual clocks by
+    default, or on the wall clock.
     """
 
     def __init__(
@@ -71,14 +58,15 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         topology: Topology,
         timeout: timedelta,
         record_path: str | None = None,
+        timing: VirtualTiming | WallTiming | None = None,
     ) -> None:
         super().__init__(rank, size)
+        self.timing = timing if timing is not None else WallTiming()
         self._inner = inner
         self._global_ranks = list(global_ranks)
         self._topology = topology
         self._timeout_s = timeout.total_seconds()
         self._group_link = topology.slowest_link(self._global_ranks)
-        self._clocks = {"coll": _LinkClock(), "send": _LinkClock(), "recv": _LinkClock()}
         self.record = CollectiveRecord(record_path)
         self.modelled_s = 0.0  # total modelled link time issued on this group
         self._group_name = ""
@@ -136,15 +124,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             item = self._pending.get()
             if item is None:
                 return
-            inner_work, done_at, fut, seq, after_inner, result = item
+            inner_work, token, work, seq, result = item
+            fut = work.get_future()
             try:
                 inner_work.wait()
-                finished = time.perf_counter()
-                if after_inner is not None:
-                    done_at = max(done_at, finished + after_inner)
-                delay = done_at - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
+                work.done_at = self.timing.complete(token)
                 self.record.completed(seq)
                 # DDP's reducer reads the reduced bucket from the future, as it does from
                 # gloo's and NCCL's works: the result must be the list of output tensors.
@@ -153,7 +137,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
                 fut.set_exception(exc)
             # Drop this thread's references now: otherwise the last bucket stays alive (and
             # counted by a memory budget) until the next collective arrives.
-            del item, inner_work, fut, result
+            del item, inner_work, work, fut, result
 
     def _later(
         self,
@@ -164,32 +148,22 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         peer: int | None = None,
         result: list[torch.Tensor] | None = None,
     ):
-        """Start the gloo transfer; return work that completes when it is done and the
-        modelled time has passed. The record is written first, so that a rank which gloo
-        aborts inside `start()` still shows what it was doing.
-
-        Known simplification: the modelled time counts from this rank's issue (or the end of
-        the previous transfer on the link). A rank that waits for a late peer finishes when
-        gloo does, i.e. at the peer's arrival plus the real loopback transfer, not plus the
-        modelled one, so a straggler's cost to its peers is slightly understated."""
-        seq = self.record.issued(op, tensors, peer)
-        inner_work = start()
-        n = self.size()
-        if peer is None:
-            seconds = collective_time_s(op, nbytes, n, self._group_link)
-            clock = self._clocks["coll"]
-        else:
-            seconds = collective_time_s(op, nbytes, 2, self.link_for(peer))
-            clock = self._clocks[op]
-        self.modelled_s += seconds
-        now = time.perf_counter()
-        done_at = clock.reserve(now, seconds)
-        # A receive cannot finish before its data has crossed the link after the send began;
-        # gloo finishing tells us the sender has started, so the model's time is added after it.
-        after_inner = seconds if op == "recv" else None
-        fut: torch.futures.Future = torch.futures.Future()
-        self._pending.put((inner_work, done_at, fut, seq, after_inner, tensors if result is None else result))
-        return _ModelledWork(fut)
+        """Start the gloo transfer; return work that completes when it is done, at the time
+        `self.timing` gives. The record is written first, so that a rank which gloo aborts
+        inside `start()` still shows what it was doing."""
+        virtual = self.timing.virtual
+        with self.timing.clock.paused() if virtual else contextlib.nullcontext():  # bookkeeping, not compute
+            seq = self.record.issued(op, tensors, peer)
+            n, link = (self.size(), self._group_link) if peer is None else (2, self.link_for(peer))
+            seconds = collective_time_s(op, nbytes, n, link)
+            self.modelled_s += seconds
+            token = self.timing.issue(op, seconds, peer, f"{op} #{seq}", nbytes)
+            inner_work = start()
+            work = _ModelledWork(torch.futures.Future(), self.timing if virtual else None)
+            self._pending.put((inner_work, token, work, seq, tensors if result is None else result))
+            if virtual and op == "all_reduce" and called_by_ddp_reducer(caller_frame(2)):
+                self.timing.wait_at_end_of_backward(work)
+        return work
 
     # -- collectives: each forwards to gloo, then models the link -------------------
     # `nbytes` follows collective_time_s: the buffer of all_reduce / broadcast / reduce, the
@@ -287,16 +261,24 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 class _ModelledWork(dist.Work):
     """Work that ends when the link model says; `wait()` raises the transfer's error.
 
+    On the virtual clock `wait()` also moves this rank's clock to the completion time.
     (Work made by `_create_work_from_future` returns from `wait()` even when its future
     failed, which turned a peer that never joined a collective into a silent wrong result.)
     """
 
-    def __init__(self, fut: torch.futures.Future) -> None:
+    def __init__(self, fut: torch.futures.Future, timing: VirtualTiming | None = None) -> None:
         super().__init__()
         self._fut = fut
+        self.timing = timing  # None on the wall clock
+        self.done_at: float | None = None  # virtual completion time, set before the future completes
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self._fut.wait()  # re-raises the exception set by the completion thread
+        if self.timing is None:
+            self._fut.wait()  # re-raises the exception set by the completion thread
+            return True
+        with self.timing.clock.paused():  # what blocking costs the CPU is not compute
+            self._fut.wait()
+        self.timing.clock.advance_to(self.done_at)  # waiting costs virtual time
         return True
 
     def is_completed(self) -> bool:
@@ -336,7 +318,9 @@ def _create_emulated_pg(opts, backend_options) -> EmulatedProcessGroup:
     path = None
     if record_dir and ranks == list(range(int(os.environ.get("WORLD_SIZE", opts.group_size)))):
         path = os.path.join(record_dir, f"record{opts.group_rank}.json")  # the world group only
-    pg = EmulatedProcessGroup(inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path)
+    timing = (VirtualTiming(opts.store, opts.group_rank, opts.group_size, rank_clock())
+              if os.environ.get(CLOCK_ENV, "virtual") == "virtual" else WallTiming())
+    pg = EmulatedProcessGroup(inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path, timing)
     pg._set_group_name(opts.group_id)  # torch returns a Python group as it is, before naming it
     return pg
 
@@ -360,6 +344,14 @@ def topology_from_env() -> Topology:
             f"the {BACKEND_NAME} backend needs ${TOPOLOGY_ENV}; start ranks with labkit.launch(...)"
         )
     return Topology.from_dict(json.loads(raw))
+
+
+def wait_at_end_of_backward(work: Any) -> None:
+    """For a DDP comm hook's collective: DDP waits for the hook's future in C++ at the end of
+    backward, where the virtual clock cannot see it; move the rank's clock to `work`'s
+    completion when backward ends. Does nothing on the wall clock or for other works."""
+    if isinstance(work, _ModelledWork) and work.timing is not None:
+        work.timing.wait_at_end_of_backward(work)
 
 
 def close_groups() -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import validate
+from labkit import emulate, validate
 from labkit.models import GPT, GPTConfig, synthetic_batch
 from labkit.trace.commlog import CommLog
 
@@ -96,6 +96,7 @@ class CountingAllReduce:
         state.in_backward += state.backward_running
         t0 = time.perf_counter_ns()
         work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+        emulate.wait_at_end_of_backward(work)  # DDP waits for the hook's future in C++ (virtual clock)
         logged = None
         if state.log is not None:
             logged = state.log.track(work, f"all_reduce ddp_bucket{bucket.index()}", nbytes, start_ns=t0)

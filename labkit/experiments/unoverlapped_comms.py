@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from labkit import runtime, validate
+from labkit import emulate, runtime, validate
 from labkit.experiments.common import CountingAllReduce, max_abs_diff, rank_rows, reference_backward, seeded_model
 from labkit.models import GPTConfig
 from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive
 from labkit.trace.capture import capture
+from labkit.trace.device import device_trace_path, write_device_trace
 from labkit.trace.commlog import CommLog
 
 __all__ = ["MODES", "TRAIN_MODES", "Mode", "summarize_steps", "train_steps"]
@@ -161,12 +162,12 @@ def _check_modes(modes: Sequence[str], trace_modes: Sequence[str], steps: int, w
     validate.non_negative_int("train_steps warmup", warmup, "train_steps(modes, warmup=1)")
 
 
-def _timed(run: _Run, step_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """(wall ms, process CPU ms) of one step, after a barrier, with the device synchronised."""
+def _timed(run: _Run, step_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    """(ms, process CPU ms, start) of one step on `labkit.runtime.clock`, after a barrier."""
     dist.barrier(group=run.group)
     t0, cpu0 = runtime.clock(), time.process_time()
     step_fn(run, x, y)
-    return (runtime.clock() - t0) * 1e3, (time.process_time() - cpu0) * 1e3
+    return (runtime.clock() - t0) * 1e3, (time.process_time() - cpu0) * 1e3, t0
 
 
 def train_steps(
@@ -205,13 +206,15 @@ def train_steps(
     single-process reference on the whole global batch and, after every step, records the
     largest absolute parameter difference of each training mode against it. Afterwards,
     the modes in `trace_modes` are profiled for `trace_steps` steps (after one warm-up) with
-    `labkit.trace.capture`, one file per mode and rank.
+    `labkit.trace.capture`, one file per mode and rank; on the emulated cluster's virtual clock
+    the device timeline of the last `trace_steps` timed steps is written next to each.
 
     Returns a dict: "modes" maps each mode to {"ms": per-step times after warm-up,
     "cpu_ms": CPU time of the whole process (all threads) per step, "collectives" and
     "in_backward" (collectives launched before backward() returned) per step, "buckets"
     and "bucket_summary" (overlapped modes), "max_abs_diff" (after every step, warm-up
-    included; None when not checked)}, plus "traces" {mode: path}, "param_tensors",
+    included; None when not checked)}, plus "traces" {mode: host trace path}, "device_traces"
+    {mode: device timeline path} (emulated cluster, virtual clock), "param_tensors",
     "params", "grad_bytes", "rank", "world_size" and "device". Combine the ranks with
     `summarize_steps`.
     """
@@ -236,11 +239,13 @@ def train_steps(
                "max_abs_diff": [] if m in checked else None}
            for m in modes}
 
+    windows: dict[str, list] = {m: [] for m in modes}  # (step, start, end) on runtime.clock
     for s in range(warmup + steps):
         x, y = batch(s)
         for m in modes:
-            ms, cpu_ms = _timed(runs[m], MODES[m].step, x, y)
+            ms, cpu_ms, t0 = _timed(runs[m], MODES[m].step, x, y)
             if s >= warmup:
+                windows[m].append((s, t0, t0 + ms / 1e3))
                 row = out[m]
                 row["ms"].append(ms)
                 row["cpu_ms"].append(cpu_ms)
@@ -252,21 +257,25 @@ def train_steps(
             for m in checked:
                 out[m]["max_abs_diff"].append(max_abs_diff(runs[m].module, ref))
 
-    traces = {}
+    traces, device_traces = {}, {}
     folder = Path(trace_dir) if trace_dir else Path(tempfile.gettempdir()) / "labkit_traces"
     for m in trace_modes:
         run, (x, y) = runs[m], batch(warmup + steps)
         run.log.clear()
         dist.barrier(group=process_group)
         path = capture(lambda run=run, x=x, y=y, m=m: MODES[m].step(run, x, y), steps=trace_steps, warmup=1,
-                       path=folder / f"{m}_rank{{rank}}.json", comm_log=run.log)
+                       path=folder / f"{m}_rank{{rank}}.json", comm_log=run.log, device_trace=False)
         traces[m] = str(path)
+        if runtime.on_virtual_clock():  # the device timeline of the timed (unprofiled) steps, in virtual time
+            device = write_device_trace(device_trace_path(path), emulate.rank_clock(), windows[m][-trace_steps:], rank)
+            device_traces[m] = str(device)
     dist.barrier(group=process_group)
 
     params = [p for p in runs[modes[0]].module.parameters() if p.requires_grad]
     return {
         "modes": out,
         "traces": traces,
+        "device_traces": device_traces,
         "param_tensors": len(params),
         "params": sum(p.numel() for p in params),
         "grad_bytes": sum(p.numel() * p.element_size() for p in params),

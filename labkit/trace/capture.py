@@ -3,8 +3,9 @@
 `capture(step_fn, steps=3, warmup=1, path=...)` profiles a few steps (a schedule with
 wait=0, warmup, active=steps, repeat=1: traces stay small), on CUDA too when this rank is
 on a GPU (`labkit.runtime.on_gpu`), and writes the spans of a `CommLog` (`commlog.py`) into
-the exported JSON so that asynchronous collectives appear from issue to completion. The
-file is read back by `timeline.py`.
+the exported JSON so that asynchronous collectives appear from issue to completion. On the
+emulated cluster's virtual clock it also writes the device timeline (`device.py`). The files
+are read back by `timeline.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from labkit import runtime, validate
+from labkit import emulate, runtime, validate
 from labkit.trace.commlog import COMM_CATEGORY, COMM_THREAD, CommLog
+from labkit.trace.device import device_trace_path, write_device_trace
 from labkit.trace.timeline import dump_json, load_json
 
 __all__ = ["CLOCK_SYNC", "capture"]
@@ -55,6 +57,7 @@ def capture(
     warmup: int = 1,
     path: str | Path | None = None,
     comm_log: CommLog | None = None,
+    device_trace: bool = True,
 ) -> Path:
     """Profile `warmup + steps` calls of `step_fn()`, keep the last `steps`; return the trace path.
 
@@ -65,6 +68,9 @@ def capture(
     `path`: a file, a directory, or a pattern with `{rank}`; by default
     `<tmp>/labkit_traces/trace_rank<r>.json`. Every rank of a group calls this for itself.
     `comm_log`: spans to merge into the trace (see the module docstring).
+    On the emulated cluster's virtual clock, with `device_trace`, the device timeline of the
+    same steps is written next to it (`labkit.trace.device.device_trace_path(path)`); the
+    profiler's own bookkeeping runs on the rank's thread there and counts as compute.
     """
     validate.positive_int("capture steps", steps, "capture(step_fn, steps=3)")
     validate.non_negative_int("capture warmup", warmup, "capture(step_fn, warmup=1)")
@@ -76,6 +82,8 @@ def capture(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
     anchors: list[tuple[int, int]] = []  # perf_counter_ns just before and after each clock_sync
+    clock = emulate.rank_clock() if device_trace and runtime.on_virtual_clock() else None
+    windows: list[tuple[int, float, float]] = []  # (step, virtual start, virtual end)
     prof = profile(
         activities=activities,
         schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
@@ -86,13 +94,16 @@ def capture(
     with _without_kineto_log():
         prof.__enter__()
     try:
-        for _ in range(warmup + steps):
+        for i in range(warmup + steps):
             t0 = time.perf_counter_ns()
             with record_function(CLOCK_SYNC):
                 pass
             anchors.append((t0, time.perf_counter_ns()))
+            v0 = clock.now() if clock is not None else 0.0
             step_fn()
             runtime.synchronize()  # on a GPU the step's kernels end inside its ProfilerStep
+            if clock is not None:
+                windows.append((i, v0, clock.now()))
             with _without_kineto_log():
                 prof.step()
     finally:
@@ -101,6 +112,8 @@ def capture(
 
     if comm_log is not None:
         _merge_comm_log(out, comm_log, anchors[warmup:])
+    if clock is not None:
+        write_device_trace(device_trace_path(out), clock, windows[warmup:], _rank())
     return out
 
 

@@ -1,0 +1,210 @@
+"""The virtual device clock of the emulated cluster: what it makes exact.
+
+Every assertion here is about virtual time, a model output: it holds on a loaded machine
+(compute is charged in main-thread CPU time, waiting as the link model says). The small
+allowances (1-2 ms) are the real host-side Python between reading the clock and issuing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import labkit
+from labkit import Cluster, Link, launch
+from labkit.emulate.clock import VirtualClock
+from labkit.links import collective_time_s
+
+LINK = Link(0.1, 50.0)  # 100 MB/s, 50 µs
+MIB4 = 4 * 2**20
+MODEL_4MIB = collective_time_s("all_reduce", MIB4, 2, LINK)  # 42.0 ms on 2 ranks
+
+
+def _cluster(n: int = 2) -> Cluster:
+    return Cluster.emulated(gpus_per_node=n, intra_node=LINK, inter_node=LINK)
+
+
+def busy(seconds: float) -> None:
+    """Spend `seconds` of this thread's CPU time (known compute)."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+def test_clock_counts_cpu_time_not_sleep_and_jumps_forward_only():
+    clock = VirtualClock()
+    t0 = clock.now()
+    time.sleep(0.05)  # waiting in wall time is not compute
+    assert clock.now() - t0 < 0.01
+    busy(0.02)
+    assert 0.02 <= clock.now() - t0 < 0.03
+    assert clock.advance_to(t0 + 1.0) == pytest.approx(t0 + 1.0)
+    assert clock.advance_to(t0) >= t0 + 1.0  # never backwards
+    with clock.paused():
+        busy(0.02)
+    assert clock.now() - t0 == pytest.approx(1.0, abs=0.005)
+
+
+def _allreduce_times() -> dict:
+    t = torch.ones(MIB4 // 4)
+    dist.barrier()
+    t0 = labkit.clock()
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    idle = work.done_at - t0
+    dist.barrier()
+    first, second = dist.all_reduce(t.clone(), async_op=True), dist.all_reduce(t.clone(), async_op=True)
+    second.wait()
+    first.wait()
+    return {"idle": idle, "serialised": second.done_at - first.done_at, "sum": t[0].item()}
+
+
+def test_allreduce_on_an_idle_link_takes_the_model_and_two_on_one_group_serialise():
+    for r in launch(_allreduce_times, world_size=2, cluster=_cluster()):
+        assert MODEL_4MIB <= r["idle"] <= MODEL_4MIB + 1e-3
+        assert r["serialised"] == pytest.approx(MODEL_4MIB, rel=1e-9)
+        assert r["sum"] == 2.0  # the data really moved
+
+
+def _late_peer(late_s: float) -> float:
+    t = torch.ones(MIB4 // 4)
+    dist.barrier()
+    t0 = labkit.clock()
+    if dist.get_rank() == 1:
+        busy(late_s)  # the straggler
+    dist.all_reduce(t)
+    return labkit.clock() - t0
+
+
+def test_a_late_rank_delays_the_others_by_its_lateness():
+    on_time, late = launch(_late_peer, 0.15, world_size=2, cluster=_cluster())
+    assert 0.15 + MODEL_4MIB <= on_time <= 0.15 + MODEL_4MIB + 2e-3  # waiting costs time
+    assert late == pytest.approx(on_time, abs=2e-3)
+
+
+# ---------------------------------------------- a synthetic step with known costs
+
+
+class _Busy(torch.autograd.Function):
+    """Identity whose backward spends a known CPU time: one layer's backward compute."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        busy(ctx.seconds)
+        return grad, None
+
+
+class _Layer(nn.Module):
+    def __init__(self, numel: int, seconds: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(numel))
+        self.seconds = seconds
+
+    def forward(self, x):
+        # w's gradient is ready once this layer's backward compute is done, as in a real layer
+        return _Busy.apply(x + self.w.sum() * 0, self.seconds)
+
+
+def _synthetic_step(mode: str, layers: int, numel: int, seconds: float) -> float:
+    from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive
+
+    model = nn.Sequential(*[_Layer(numel, seconds) for _ in range(layers)])
+    ddp = OverlappedDDP(model, bucket_cap_mb=numel * 4 / 2**20) if mode == "overlapped" else None
+    times = []
+    for _ in range(2):
+        dist.barrier()
+        t0 = labkit.clock()
+        (ddp or model)(torch.ones(4, requires_grad=True)).sum().backward()
+        if ddp is None:
+            allreduce_gradients_naive(model)
+        else:
+            ddp.finish_gradient_synchronization()
+        times.append(labkit.clock() - t0)
+    return times[-1]
+
+
+@pytest.mark.parametrize("comm_per_layer_ms", [20, 60])  # below and above the compute per layer
+def test_naive_costs_compute_plus_comm_and_overlap_costs_the_max_plus_the_tail(comm_per_layer_ms):
+    layers, compute_s = 4, 0.040
+    numel = 2**16  # one 256 KiB gradient per layer
+    link = Link(2 * (numel * 4) / 2 / (comm_per_layer_ms * 1e-3) / 1e9, 0.0)  # all-reduce of one gradient
+    cluster = Cluster.emulated(gpus_per_node=2, intra_node=link, inter_node=link)
+    comm_s = collective_time_s("all_reduce", numel * 4, 2, link)
+    assert comm_s == pytest.approx(comm_per_layer_ms * 1e-3)
+    naive = max(launch(_synthetic_step, "naive", layers, numel, compute_s, world_size=2, cluster=cluster))
+    over = max(launch(_synthetic_step, "overlapped", layers, numel, compute_s, world_size=2, cluster=cluster))
+    # gradients are ready at c, 2c, ..., Lc; buckets go one after another on the link
+    expected_overlap = max(layers * compute_s + comm_s, compute_s + layers * comm_s)
+    assert naive == pytest.approx(layers * (compute_s + comm_s), rel=0.05)
+    assert over == pytest.approx(expected_overlap, rel=0.05)
+
+
+# -------------------------------------------------- DDP and pipelining numerics
+
+
+def _ddp_step_time() -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    x = torch.randn(32, 256)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.25)
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = labkit.clock()
+        ddp(x).sum().backward()
+        times.append(labkit.clock() - t0)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return times[-1], collective_time_s("all_reduce", grad_bytes, 2, LINK)
+
+
+def test_ddp_waits_for_its_buckets_in_virtual_time():
+    # DDP waits for its buckets in C++ at the end of backward; the step must still pay for them.
+    for step, comm in launch(_ddp_step_time, world_size=2, cluster=_cluster()):
+        assert step >= comm
+
+
+def _pipeline(schedule_name: str, stages: int) -> float | None:
+    from torch.distributed import pipelining
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    full = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(stages)])
+    stage = pipelining.PipelineStage(full[rank], rank, stages, torch.device("cpu"))
+    schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=4, loss_fn=lambda o, t: o.pow(2).mean())
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    if rank == 0:
+        schedule.step(x)
+    elif rank < stages - 1:
+        schedule.step()
+    else:
+        losses: list = []
+        schedule.step(target=torch.zeros(8, 8), losses=losses)
+        return float(torch.stack(losses).mean())
+    return None
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipelining_matches_one_process_on_the_virtual_clock(schedule, stages):
+    out = launch(_pipeline, schedule, stages, world_size=stages, cluster=_cluster(stages), timeout_s=60)
+    torch.manual_seed(0)
+    full = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(stages)])
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    expected = torch.stack([full(c).pow(2).mean() for c in x.chunk(4)]).mean().item()
+    assert out[-1] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_wall_clock_stays_available():
+    cluster = Cluster.emulated(gpus_per_node=2, intra_node=LINK, inter_node=LINK, clock="wall")
+    assert "wall clock" in cluster.describe()
+    with pytest.raises(ValueError, match="clock='sundial'"):
+        Cluster.emulated(clock="sundial")
