@@ -19,7 +19,7 @@ LABS = sorted((ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
 
 # Small parameters: the whole suite must stay under 15 minutes on 2 cores.
 SMALL = {
-    "00_cluster_tour": {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 10},
+    "00_cluster_tour": {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 20},
     "02_oom_batch": {"cluster": "cpu"},
     "03_unoverlapped_comms": {"cluster": "cpu"},
 }
