@@ -1,7 +1,7 @@
 """`labkit doctor | run | build | report`: the course from a terminal or CI.
 
     labkit doctor                      what this machine is, and a 2-rank smoke test
-    labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs/latest] [-p KEY VALUE]
+    labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs] [-p KEY VALUE]
                                        execute the solution notebooks, write the report
     labkit build [--check]             write labs/ from solutions/ (or check it is current)
     labkit report RUN_DIR              rewrite the report of an earlier run
@@ -67,7 +67,12 @@ def doctor(args: argparse.Namespace) -> int:
         print(real.describe())
     else:
         print("GPUs      none found")
-    cluster = Cluster.resolve(args.cluster, 2)
+    try:
+        cluster = Cluster.resolve(args.cluster, 2)
+    except ValueError as exc:  # e.g. --cluster gpu on a machine without one: a verdict, not a traceback
+        print(f"cluster   {exc}")
+        print(f"verdict: NOT READY - no cluster of kind {args.cluster!r} here; see the line above.")
+        return EXIT_FAILED
     print(cluster.describe())
     t0 = time.perf_counter()
     try:
@@ -126,8 +131,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"labkit run: no solutions/ folder in {root}; run from the course checkout or pass --root.", file=sys.stderr)
         return EXIT_USAGE
     notebooks = _select(solutions, args.lab)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    from labkit.course.runs import new_run_dir, point_latest, run_context
+
+    base = Path(args.out)
+    out = new_run_dir(base)  # a folder of its own: never mixed with an earlier run
     params = {"cluster": args.cluster, **_parse_params(args.param)}
     results = []
     failed = []
@@ -164,10 +171,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}/{len(notebooks)}] {lab}: {verdict} in {entry['seconds']} s", flush=True)
         if entry["status"] != "passed":
             failed.append(f"{lab} {entry['error']}")
-    from labkit import calibrate
-
-    json_path, md_path = write_report(out, results, calibration=calibrate.cpu_gflops().to_dict())
-    print(f"report: {md_path} (and {json_path.name})")
+    json_path, md_path = write_report(out, results, context=run_context(root, args.cluster))
+    latest = point_latest(base, out)
+    print(f"report: {md_path} (and {json_path.name}); {latest} points to it")
     if failed:
         print("labkit run: failed: " + "; ".join(failed), file=sys.stderr)
         return EXIT_FAILED
@@ -184,7 +190,7 @@ def report(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     data = json.loads(previous.read_text())
     results = data.get("labs", data) if isinstance(data, dict) else data
-    json_path, md_path = write_report(run_dir, results, calibration=data.get("calibration") if isinstance(data, dict) else None)
+    json_path, md_path = write_report(run_dir, results, context=data.get("context") if isinstance(data, dict) else None)
     print(f"report: {md_path}")
     return 0
 
@@ -214,33 +220,37 @@ def build(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit", description="Multi-GPU Mistakes Lab tools")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    cluster_help = "auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; gpu: NCCL"
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("doctor", help="hardware, backend, versions and a 2-rank smoke test")
-    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"])
+    p = sub.add_parser("doctor", help="hardware, backend, versions and a 2-rank smoke test", formatter_class=fmt)
+    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=cluster_help)
     p.add_argument("--recalibrate", action="store_true",
                    help="measure this CPU's GFLOP/s again (the emulated links' scale) and update the cache")
     p.set_defaults(func=doctor)
 
-    p = sub.add_parser("run", help="execute the solution notebooks with papermill and write a report")
+    p = sub.add_parser("run", help="execute the solution notebooks with papermill and write a report",
+                       formatter_class=fmt)
     p.add_argument("--lab", help="only this lab, by number (e.g. 00)")
-    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"])
-    p.add_argument("--out", default="runs/latest", help="folder for executed notebooks and the report")
+    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=cluster_help)
+    p.add_argument("--out", default="runs",
+                   help="each run writes OUT/<date-time>/ (notebooks, figures, report); OUT/latest points to the newest")
     p.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
                    help="notebook parameter (JSON value or a bare word), repeatable")
     p.add_argument("--cell-timeout", type=int, default=600, help="seconds one cell may run")
-    p.add_argument("--kernel", default="python3")
+    p.add_argument("--kernel", default="python3", help="the Jupyter kernel papermill starts")
     p.add_argument("--root", help="course folder holding solutions/ (default: here or the checkout)")
     p.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
     p.set_defaults(func=run)
 
-    p = sub.add_parser("build", help="write labs/ from solutions/")
+    p = sub.add_parser("build", help="write labs/ from solutions/", formatter_class=fmt)
     p.add_argument("--check", action="store_true", help="fail when labs/ is stale instead of writing")
-    p.add_argument("--root")
+    p.add_argument("--root", help="course folder holding solutions/ and labs/ (default: here or the checkout)")
     p.set_defaults(func=build)
 
     p = sub.add_parser("report", help="rewrite the report of a run folder")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a folder `labkit run --out` wrote (it holds report.json)")
     p.set_defaults(func=report)
 
     args = parser.parse_args(argv)

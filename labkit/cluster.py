@@ -125,6 +125,7 @@ class Cluster:
         "auto" takes NCCL with one process per GPU when this machine has at least two GPUs
         and enough of them, else the emulated cluster; `reason` says which and why.
         """
+        validate.positive_int("world_size", world_size, "launch(fn, world_size=2), or labkit run -p world_size 2")
         if isinstance(spec, Cluster):
             cluster = spec
         elif spec in ("cpu", "emulated"):
@@ -170,6 +171,12 @@ class Cluster:
 
     def check_world_size(self, world_size: int) -> None:
         validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
+        if self.kind == "gpu" and self.gpu_count == 0:
+            raise ValueError(
+                f"world_size={world_size} is larger than the 0 GPU(s) present: cluster='gpu' was asked for, but "
+                f"this machine has no GPU (torch.cuda.is_available() is {torch.cuda.is_available()}, torch "
+                f"{torch.__version__}); use cluster='cpu' for the emulated cluster (labkit run --cluster cpu)."
+            )
         if self.kind == "gpu" and world_size > self.gpu_count:
             raise ValueError(
                 f"world_size={world_size} is larger than the {self.gpu_count} GPU(s) present; "

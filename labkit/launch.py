@@ -321,8 +321,9 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) ->
                 for o in sorted(outcomes.values(), key=lambda o: o.rank)
                 if o is not first
             ]
-            stopped = [r for r in range(world_size) if r not in outcomes]
-            others += [f"rank {r} stopped" for r in stopped]
+            for r in (r for r in range(world_size) if r not in outcomes):
+                returned = _read_outcome(r, procs[r], run_dir).ok  # waiting to leave with the others
+                others.append(f"rank {r} {'returned' if returned else 'was stopped while running'}")
             err = _error_for(first, records, world_size, others)
             original = None
             if first.info is not None and first.info.get("exception") is not None:

@@ -337,7 +337,9 @@ def _count_params(params: int | None, model: GPTConfig | nn.Module | None) -> tu
         return sum(p.numel() for p in model.parameters()), None
     if model is not None:
         raise ValueError(f"model must be a GPTConfig or an nn.Module, got {type(model).__name__}")
-    return validate.non_negative_int("params", params, "estimate(params=7_500_000_000)"), None
+    if isinstance(params, float) and params.is_integer():
+        params = int(params)  # people write model sizes as 7.5e9
+    return validate.non_negative_int("params", params, "estimate(params=7.5e9), a whole number of parameters"), None
 
 
 def _activations(config: GPTConfig, micro_batch: int, seq: int, precision: str, checkpointing: bool,

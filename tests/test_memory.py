@@ -470,3 +470,9 @@ def test_dp_train_accumulation_matches_the_big_batch_and_counts_allreduces() -> 
         # the whole share in one micro-step needs more memory; the search leaves nothing behind
         assert result["single"].peak_bytes > good.peak_bytes
         assert result["search"].batch >= 1 and result["left"] < 2**20
+
+
+def test_estimate_takes_model_sizes_written_as_floats():
+    assert estimate(params=7.5e9).total == estimate(params=7_500_000_000).total
+    with pytest.raises(ValueError, match="params=7500000000.5"):
+        estimate(params=7.5e9 + 0.5)

@@ -101,7 +101,7 @@ def test_hint_line_wins_and_is_not_counted() -> None:
 
 
 def test_block_without_hint_gets_a_default() -> None:
-    assert "Exercise: complete this cell (about 1 lines)" in stub_code("### BEGIN SOLUTION\nx = 1\n### END SOLUTION")
+    assert "Exercise: complete this cell (about 1 line)" in stub_code("### BEGIN SOLUTION\nx = 1\n### END SOLUTION")
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,8 @@ def _stub_lines(block: list[str], indent: str) -> list[str]:
         hint = " ".join(c for c in comments if c)
     hint = hint or DEFAULT_HINT
     n_lines = sum(1 for line in body if line.strip() and not line.strip().startswith("#"))
-    message = f"{STUB_PREFIX} {hint} (about {max(n_lines, 1)} lines)"
+    n_lines = max(n_lines, 1)
+    message = f"{STUB_PREFIX} {hint} (about {n_lines} line{'s' if n_lines > 1 else ''})"
     return [
         f"{indent}# EXERCISE: {hint}",
         f"{indent}raise NotImplementedError({json.dumps(message, ensure_ascii=False)})",

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from labkit import _torch_compat as compat
 from labkit.emulate.clock import VirtualClock
 
-__all__ = ["VirtualTiming", "WallTiming", "called_by_ddp_reducer"]
+__all__ = ["VirtualTiming", "WallTiming", "called_by_ddp_reducer", "caller_frame"]
 
 
 class WallTiming:
