@@ -128,3 +128,33 @@ def test_write_report_needs_lab_and_status(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="'status'"):
         write_report(tmp_path, [{"lab": "01"}])
+
+
+def test_report_has_a_header_meanings_and_sweeps_as_tables(tmp_path):
+    from labkit.course.report import write_report
+
+    records = {"before": 0.01, "after": 0.09, "limit": 0.1, "unit": "GB/s",
+               "meaning": {"before": "smallest message", "after": "largest", "limit": "the link"},
+               "sweep": [{"size_bytes": 4096, "busbw_GBps": 0.0082}, {"size_bytes": 65536, "busbw_GBps": 0.05}]}
+    context = {"date": "2026-12-01T10:00:00+00:00", "machine": "m: Linux x86_64, 2 CPU cores", "torch": "2.13.0",
+               "labkit": "0.1.0", "commit": "abc1234", "cluster": "Emulated cluster: ...",
+               "calibration": {"gflops": 93.6, "source": "cache", "machine": "AMD EPYC | torch 2.13.0"}}
+    _, md = write_report(tmp_path, [{"lab": "00_x", "status": "passed", "records": records}], html=False,
+                         context=context)
+    text = md.read_text()
+    assert "Run on 2026-12-01T10:00:00+00:00" in text and "commit abc1234" in text and "93.6 GFLOP/s" in text
+    assert "- **before**: smallest message" in text
+    assert "| size_bytes | busbw (MB/s) |" in text and "| 4096 | 8.2 |" in text
+    assert "{'size_bytes'" not in text  # no raw dicts
+
+
+def test_each_run_gets_its_own_folder_and_latest_points_to_the_newest(tmp_path):
+    from labkit.course.runs import new_run_dir, point_latest
+
+    first = new_run_dir(tmp_path)
+    (first / "old.png").write_text("x")
+    point_latest(tmp_path, first)
+    second = new_run_dir(tmp_path)
+    assert second != first and not any(second.iterdir())
+    link = point_latest(tmp_path, second)
+    assert link.resolve() == second.resolve() and not (link / "old.png").exists()

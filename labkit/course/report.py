@@ -54,7 +54,8 @@ def _html(notebook: Path) -> tuple[Path | None, str | None]:
         import nbconvert
         import nbformat
 
-        body, _ = nbconvert.HTMLExporter().from_notebook_node(nbformat.read(str(notebook), as_version=4))
+        nb = nbformat.read(str(notebook), as_version=4)
+        body, _ = nbconvert.HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": notebook.stem}})
     except Exception as exc:  # a report without HTML is still a report
         return None, f"{type(exc).__name__}: {exc}"
     target = notebook.with_suffix(".html")
@@ -94,7 +95,49 @@ def _lab_entry(run_dir: Path, result: dict[str, Any], html: bool) -> dict[str, A
     return entry
 
 
-def _markdown(entries: list[dict[str, Any]], calibration: dict[str, Any] | None = None) -> str:
+def _header(context: dict[str, Any] | None) -> list[str]:
+    """Where and with what the run was made (``labkit.course.runs.run_context``)."""
+    if not context:
+        return []
+    facts = [f"{k} {context[k]}" for k in ("python", "torch", "labkit") if context.get(k)]
+    lines = [f"Run on {context.get('date', '?')}, {context.get('machine', '?')}; {', '.join(facts)}; "
+             f"commit {context.get('commit') or 'unknown (not a git checkout)'}.", ""]
+    if context.get("cluster"):
+        lines += ["Cluster (as `labkit.Cluster.resolve` sees it for 2 ranks):", "", "```",
+                  str(context["cluster"]).rstrip(), "```", ""]
+    cal = context.get("calibration")
+    if cal:
+        lines += [f"Emulated links scaled to this CPU's {cal['gflops']:.1f} GFLOP/s per core "
+                  f"({cal['source']}; {cal['machine']}).", ""]
+    return lines
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """A list of records (a sweep) as a markdown table; GB/s columns below 1 read in MB/s."""
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    heads, scale = [], {}
+    for k in keys:
+        values = [row.get(k) for row in rows if isinstance(row.get(k), (int, float))]
+        if k.endswith("_GBps") and values and max(values) < 1:
+            heads.append(k[: -len("_GBps")] + " (MB/s)")
+            scale[k] = 1e3
+        elif k.endswith("_GBps"):
+            heads.append(k[: -len("_GBps")] + " (GB/s)")
+        else:
+            heads.append(k)
+    lines = ["| " + " | ".join(heads) + " |", "| " + " | ".join("---" for _ in heads) + " |"]
+    for row in rows:
+        cells = [_fmt(row.get(k) * scale[k] if k in scale and isinstance(row.get(k), (int, float)) else row.get(k))
+                 for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _is_table(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def _markdown(entries: list[dict[str, Any]], context: dict[str, Any] | None = None) -> str:
     counts: dict[str, int] = {}
     for entry in entries:
         counts[entry["status"]] = counts.get(entry["status"], 0) + 1
@@ -104,8 +147,7 @@ def _markdown(entries: list[dict[str, Any]], calibration: dict[str, Any] | None 
         "",
         f"{summary}.",
         "",
-        *([f"Emulated links scaled to this CPU's {calibration['gflops']:.1f} GFLOP/s per core "
-           f"({calibration['source']}; {calibration['machine']}).", ""] if calibration else []),
+        *_header(context),
         "| lab | metric | before | after | limit | unit | measured on | status | seconds |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -130,12 +172,20 @@ def _markdown(entries: list[dict[str, Any]], calibration: dict[str, Any] | None 
             links.append(f"no HTML ({e['html_error']})")
         if links:
             lines += [" | ".join(links), ""]
-        if e["records"]:
+        meaning = e["records"].get("meaning")
+        if isinstance(meaning, dict):  # what before, after and limit are in this lab
+            order = [k for k in ("before", "after", "limit") if k in meaning] + sorted(set(meaning) - {"before", "after", "limit"})
+            lines += [f"- **{k}**: {_fmt(meaning[k])}" for k in order] + [""]
+        plain = {k: v for k, v in e["records"].items() if k != "meaning" and not _is_table(v)}
+        if plain:
             lines += ["| record | value |", "| --- | --- |"]
-            lines += [f"| {_fmt(k)} | {_fmt(v)} |" for k, v in e["records"].items()]
+            lines += [f"| {_fmt(k)} | {_fmt(v)} |" for k, v in plain.items()]
             lines.append("")
-        else:
+        elif not e["records"]:
             lines += ["No records.", ""]
+        for k, v in e["records"].items():
+            if _is_table(v):
+                lines += [f"**{k}**", ""] + _table(v)
         for fig in e["figures"]:
             lines.append(f"![{Path(fig).stem}]({fig})")
         if e["figures"]:
@@ -147,11 +197,11 @@ def _markdown(entries: list[dict[str, Any]], calibration: dict[str, Any] | None 
 
 
 def write_report(run_dir: str | Path, results: list[dict[str, Any]], html: bool = True,
-                 calibration: dict[str, Any] | None = None) -> tuple[Path, Path]:
+                 context: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """Write ``run_dir/report.json`` and ``run_dir/report.md``; return their paths.
 
-    ``calibration`` (``labkit.calibrate.Calibration.to_dict()``) is the CPU figure the
-    emulated links were scaled to; it is written into both. Raises ValueError if a result
+    ``context`` (``labkit.course.runs.run_context``: machine, cluster, calibration, versions,
+    commit, date) is written into both, as the report's header. Raises ValueError if a result
     lacks ``lab`` or ``status``.
     """
     run_dir = Path(run_dir)
@@ -160,8 +210,8 @@ def write_report(run_dir: str | Path, results: list[dict[str, Any]], html: bool 
     json_path = run_dir / "report.json"
     md_path = run_dir / "report.md"
     data: dict[str, Any] = {"labs": entries}
-    if calibration:
-        data["calibration"] = calibration
+    if context:
+        data["context"] = context
     json_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    md_path.write_text(_markdown(entries, calibration), encoding="utf-8")
+    md_path.write_text(_markdown(entries, context), encoding="utf-8")
     return json_path, md_path
