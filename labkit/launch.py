@@ -304,6 +304,8 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) ->
             procs[r].join()
             outcomes[r] = _read_outcome(r, procs[r], run_dir)
             first_end = first_end or time.monotonic()
+        if first_end is None and any((run_dir / f"rank{r}.result").exists() for r in range(world_size)):
+            first_end = time.monotonic()  # a rank returned (and waits to leave with the others)
         failed = [o for o in outcomes.values() if not o.ok]
         if failed:
             first = failed[0]
@@ -332,13 +334,14 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) ->
             raise err from original
         if first_end is not None and time.monotonic() - first_end > timeout_s + _GRACE_S:
             # Some ranks returned long ago; the rest are stuck where gloo's timeout did not fire.
-            waiting = [r for r in range(world_size) if r not in outcomes]
-            _stop([procs[r] for r in waiting], grace_s=0.2)
+            alive = [r for r in range(world_size) if r not in outcomes]
+            waiting = [r for r in alive if not (run_dir / f"rank{r}.result").exists()] or alive
+            _stop([procs[r] for r in alive], grace_s=0.2)
             records = emulate.read_records(run_dir, world_size)
             diag = diagnose_hang(records, world_size)
             text = diag[0] if diag else "no collective record was left"
             raise RankError(
-                f"rank(s) {waiting} still running {timeout_s + _GRACE_S:.0f} s after the other ranks ended; "
+                f"rank(s) {waiting} still running {timeout_s + _GRACE_S:.0f} s after the other ranks returned; "
                 f"they were stopped.\n{text}",
                 rank=waiting[0],
                 kind="hung",

@@ -99,7 +99,7 @@ def _rank_env(rank: int, world_size: int, cluster: Cluster, cluster_json: str, r
 
 
 def _leave_together(store: dist.Store | None, rank: int, world_size: int, timeout_s: float) -> None:
-    """Wait (at most `timeout_s`) until every rank has returned from fn, then leave.
+    """Wait until every rank has returned from fn, then leave.
 
     A rank that exits while a peer is still joining gloo's full mesh makes that peer fail with
     "Connection closed by peer" (measured: 1-2 in 40 launches of a collective-free function).
@@ -110,7 +110,9 @@ def _leave_together(store: dist.Store | None, rank: int, world_size: int, timeou
         return
     with contextlib.suppress(Exception):
         store.set(f"labkit/returned/{rank}", "1")
-        store.wait([f"labkit/returned/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
+        # Longer than the parent's deadline for stragglers (timeout_s + a few seconds after the
+        # first rank returned): the parent stops a hung peer, and this rank with it, first.
+        store.wait([f"labkit/returned/{r}" for r in range(world_size)], timedelta(seconds=timeout_s + 30))
 
 
 def _failure_info(exc: BaseException) -> dict[str, Any]:

@@ -471,3 +471,17 @@ def test_asking_for_gpus_where_there_are_none_says_so_and_doctor_gives_a_verdict
         Cluster.resolve("gpu", 2)
     assert main(["doctor", "--cluster", "gpu"]) == 1
     assert "verdict: NOT READY" in capsys.readouterr().out
+
+
+def _rank1_sleeps() -> int:
+    if dist.get_rank() == 1:
+        time.sleep(120)  # hangs outside any collective
+    return 0
+
+
+def test_a_rank_that_hangs_after_the_others_returned_is_named_in_bounded_time():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_rank1_sleeps, world_size=2, cluster=CPU, timeout_s=2)
+    assert info.value.rank == 1 and "rank(s) [1] still running" in str(info.value)
+    assert time.monotonic() - t0 < 2 + 15
