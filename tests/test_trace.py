@@ -232,3 +232,20 @@ def test_comm_log_records_issue_to_completion(monkeypatch):
     log.add("a", 0, 1)
     log.add("b", 0, 1)
     assert [s.name for s in log.spans()] == ["a", "b"]  # maxlen keeps the newest
+
+
+def test_device_timeline_reads_like_a_trace(tmp_path):
+    """The emulated device timeline (virtual time): compute is the step minus its waits."""
+    from labkit.emulate.clock import VirtualClock
+    from labkit.trace.device import device_trace_path, write_device_trace
+
+    clock = VirtualClock()
+    clock.waits.extend([(0.080, 0.100)])  # waited 20 ms for the last bucket
+    clock.collectives.extend([("all_reduce #1", 0.040, 0.060, 64), ("all_reduce #2", 0.075, 0.100, 64)])
+    path = write_device_trace(device_trace_path(tmp_path / "x_rank0.json"), clock, [(3, 0.0, 0.110)])
+    assert path.name == "x_rank0.device.json"
+    stats = overlap(read_trace(path))
+    assert stats["step_ms"] == pytest.approx(110)
+    assert stats["compute_ms"] == pytest.approx(90)  # 110 ms minus the 20 ms wait
+    assert stats["comm_ms"] == pytest.approx(45)
+    assert stats["overlapped_ms"] == pytest.approx(25)  # 40-60 fully, 75-80 of the second

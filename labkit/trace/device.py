@@ -18,7 +18,7 @@ from pathlib import Path
 
 from labkit.emulate.clock import VirtualClock
 from labkit.trace.commlog import COMM_CATEGORY
-from labkit.trace.timeline import dump_json
+from labkit.trace.timeline import dump_json, subtract, union
 
 __all__ = ["DEVICE_COMPUTE", "DEVICE_COMM", "device_trace_path", "write_device_trace"]
 
@@ -32,19 +32,6 @@ def device_trace_path(host_trace: str | Path) -> Path:
     if p.name.endswith(".json.gz"):
         return p.with_name(p.name[: -len(".json.gz")] + ".device.json.gz")
     return p.with_name(p.stem + ".device" + (p.suffix or ".json"))
-
-
-def _minus(lo: float, hi: float, holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out, cur = [], lo
-    for a, b in sorted(holes):
-        if b <= cur or a >= hi:
-            continue
-        if a > cur:
-            out.append((cur, a))
-        cur = max(cur, b)
-    if cur < hi:
-        out.append((cur, hi))
-    return out
 
 
 def write_device_trace(path: str | Path, clock: VirtualClock, steps: list[tuple[int, float, float]],
@@ -62,7 +49,7 @@ def write_device_trace(path: str | Path, clock: VirtualClock, steps: list[tuple[
     for number, lo, hi in steps:
         events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{number}", "pid": rank,
                        "tid": DEVICE_COMPUTE, "ts": lo * us, "dur": (hi - lo) * us})
-        for a, b in _minus(lo, hi, waits):
+        for a, b in subtract([(lo, hi)], union(waits)):
             events.append({"ph": "X", "cat": "kernel", "name": "compute", "pid": rank, "tid": DEVICE_COMPUTE,
                            "ts": a * us, "dur": (b - a) * us})
         for name, issued, done, nbytes in collectives:

@@ -29,7 +29,7 @@ from typing import Any
 from labkit.trace.commlog import COMM_CATEGORY
 
 __all__ = ["Step", "Trace", "TraceEvent", "classify", "dump_json", "load_json", "overlap", "read_trace",
-           "step_lanes"]
+           "step_lanes", "subtract", "union"]
 
 Interval = tuple[float, float]
 
@@ -176,7 +176,8 @@ def read_trace(path: str | Path, *, rank: int | None = None) -> Trace:
 # ------------------------------------------------------------------ interval math
 
 
-def _union(intervals: Iterable[Interval]) -> list[Interval]:
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of (start, end) intervals, sorted and disjoint."""
     merged: list[list[float]] = []
     for s, e in sorted(i for i in intervals if i[1] > i[0]):
         if merged and s <= merged[-1][1]:
@@ -200,7 +201,7 @@ def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
     return out
 
 
-def _subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
     """a minus b, both unions."""
     out = []
     for s, e in a:
@@ -237,18 +238,18 @@ def step_lanes(trace: Trace, step: int | None = None) -> dict[str, list[Interval
     """
     s = trace.step(step)
     lo, hi = s.start_us, s.end_us
-    comm = _union(_clip(trace.lane("comm"), lo, hi))
+    comm = union(_clip(trace.lane("comm"), lo, hi))
     by_thread: dict[tuple[Any, Any], list[TraceEvent]] = collections.defaultdict(list)
     for ev in trace.events:
         if ev.lane is not None:
             by_thread[(ev.pid, ev.tid)].append(ev)
     compute: list[Interval] = []
     for evs in by_thread.values():
-        busy = _union(_clip([e for e in evs if e.lane == "compute"], lo, hi))
-        blocked = _union(_clip([e for e in evs if e.lane == "comm"], lo, hi))
-        compute.extend(_subtract(busy, blocked))
-    compute = _union(compute)
-    idle = _subtract([(lo, hi)], _union(compute + comm))
+        busy = union(_clip([e for e in evs if e.lane == "compute"], lo, hi))
+        blocked = union(_clip([e for e in evs if e.lane == "comm"], lo, hi))
+        compute.extend(subtract(busy, blocked))
+    compute = union(compute)
+    idle = subtract([(lo, hi)], union(compute + comm))
 
     def ms(intervals: list[Interval]) -> list[Interval]:
         return [((a - lo) / 1e3, (b - lo) / 1e3) for a, b in intervals]
