@@ -94,3 +94,16 @@ def test_nbval_lax_on_the_cluster_tour(tmp_path: Path):
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_labkit_run_writes_a_report_in_a_folder_of_its_own(tmp_path: Path):
+    """The README's main job, on one small lab: a run folder, runs/latest, a report, no kernel noise."""
+    cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "00", "--quiet", "--out", str(tmp_path / "runs"),
+           "--cluster", "cpu", "-p", "sizes_kib", "[4, 256]"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "without encryption" not in proc.stdout + proc.stderr
+    latest = tmp_path / "runs" / "latest"
+    assert latest.is_symlink() and (latest / "report.md").exists() and (latest / "00_cluster_tour.html").exists()
+    report = (latest / "report.md").read_text()
+    assert "Run on " in report and "- **limit**:" in report and "| 00_cluster_tour |" in report
