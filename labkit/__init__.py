@@ -4,37 +4,80 @@ The names notebooks and users call most are importable from here; each lives in 
 named after its idea (docs/architecture.md has the map):
 
 * the cluster and its ranks: `Cluster`, `Link` (`labkit.cluster`, `labkit.links`), `launch`,
-  `RankError` (`labkit.launch`), and inside a rank `device`, `clock`, `current_cluster` and
+  `RankError` (`labkit.launcher`), and inside a rank `device`, `clock`, `current_cluster` and
   the memory stats (`labkit.runtime`);
 * memory: `estimate` and friends (`labkit.memory`), `measure`, `estimate_fake`,
-  `find_max_batch` (`labkit.measure`), `MemoryBudget` (`labkit.emulate`);
+  `find_max_batch` (`labkit.measured_memory`), `MemoryBudget` (`labkit.emulate`);
 * communication: `OverlappedDDP`, `allreduce_gradients_naive` (`labkit.parallel.data`),
   `bandwidth_test` (`labkit.bandwidth`), `bus_bandwidth_factor` (`labkit.links`);
 * traces: `capture`, `read_trace`, `overlap`, `plot_timeline`, `CommLog` (`labkit.trace`);
 * the course: `record`, `read_records` (`labkit.course.records`).
 """
 
-from labkit.bandwidth import bandwidth_test
-from labkit.cluster import GPU, Cluster
-from labkit.course.records import read_records, record
-from labkit.emulate import MemoryBudget
-from labkit.launch import RankError, launch
-from labkit.links import Link, bus_bandwidth_factor
-from labkit.measure import BatchSearch, estimate_fake, find_max_batch, measure
-from labkit.memory import MemoryBreakdown, estimate, korthikanti_activation_bytes
-from labkit.models import GPT, GPTConfig, synthetic_batch
-from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive
-from labkit.runtime import (
-    clock,
-    current_cluster,
-    device,
-    max_memory_allocated,
-    memory_allocated,
-    reset_peak_memory_stats,
-)
-from labkit.trace import CommLog, capture, overlap, plot_timeline, read_trace
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# Each public name and the module it lives in. They are imported on first use (PEP 562), so
+# `labkit --help` and `import labkit` do not pay for importing torch until a name needs it.
+_HOME = {
+    "bandwidth_test": "labkit.bandwidth",
+    "GPU": "labkit.cluster",
+    "Cluster": "labkit.cluster",
+    "read_records": "labkit.course.records",
+    "record": "labkit.course.records",
+    "MemoryBudget": "labkit.emulate",
+    "RankError": "labkit.launcher",
+    "launch": "labkit.launcher",
+    "Link": "labkit.links",
+    "bus_bandwidth_factor": "labkit.links",
+    "BatchSearch": "labkit.measured_memory",
+    "estimate_fake": "labkit.measured_memory",
+    "find_max_batch": "labkit.measured_memory",
+    "measure": "labkit.measured_memory",
+    "MemoryBreakdown": "labkit.memory",
+    "estimate": "labkit.memory",
+    "korthikanti_activation_bytes": "labkit.memory",
+    "GPT": "labkit.models",
+    "GPTConfig": "labkit.models",
+    "synthetic_batch": "labkit.models",
+    "OverlappedDDP": "labkit.parallel.data",
+    "allreduce_gradients_naive": "labkit.parallel.data",
+    "clock": "labkit.runtime",
+    "current_cluster": "labkit.runtime",
+    "device": "labkit.runtime",
+    "max_memory_allocated": "labkit.runtime",
+    "memory_allocated": "labkit.runtime",
+    "reset_peak_memory_stats": "labkit.runtime",
+    "CommLog": "labkit.trace",
+    "capture": "labkit.trace",
+    "overlap": "labkit.trace",
+    "plot_timeline": "labkit.trace",
+    "read_trace": "labkit.trace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (imported from its module), or a submodule (`labkit.memory`, ...)."""
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'labkit' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
 
 __all__ = [
     "GPT",

@@ -9,7 +9,7 @@ inside a lab. The rest of the package imports the wrappers below, never `torch._
 `torch.utils._*` or `torch.distributed._*` directly.
 
 Neighbours: `labkit.emulate` (dispatch mode, process-group hooks, the group registry),
-`labkit.measure` (MemTracker, FakeTensor), `labkit.launch` (pytree).
+`labkit.measured_memory` (MemTracker, FakeTensor), `labkit.launcher` (pytree).
 """
 
 from __future__ import annotations

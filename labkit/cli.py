@@ -49,7 +49,7 @@ def doctor(args: argparse.Namespace) -> int:
     import torch
 
     from labkit.cluster import Cluster
-    from labkit.launch import launch
+    from labkit.launcher import launch
 
     print(f"python    {platform.python_version()} on {platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores")
     try:

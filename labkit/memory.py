@@ -29,7 +29,7 @@ and attention scores stored (no FlashAttention). Our lab model has no dropout an
 the tensors autograd saves in ``labkit.models.GPT`` (see ``gpt_activation_bytes``),
 verified against ``measure``.
 
-Neighbours: ``labkit.measure`` measures what these formulas predict (MemTracker, FakeTensor,
+Neighbours: ``labkit.measured_memory`` measures what these formulas predict (MemTracker, FakeTensor,
 the batch-size finder); ``labkit.experiments.oom_batch`` is lab 02's driver.
 """
 

@@ -182,7 +182,7 @@ def reset_peak_memory_stats(device: torch.device | str | None = None) -> None:
 
 def peak_bytes() -> tuple[int, str] | None:
     """(peak bytes since the last reset, what measured it) on this rank; None when nothing
-    tracks memory here (the CPU without an emulated budget: use `labkit.measure.measure`)."""
+    tracks memory here (the CPU without an emulated budget: use `labkit.measure`)."""
     if on_gpu():
         return torch.cuda.max_memory_allocated(device()), "torch.cuda.max_memory_allocated"
     budget = emulate.active_budget()

@@ -184,7 +184,7 @@ def worker_bandwidth() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def overlapped_results() -> list[dict]:
-    from labkit.launch import launch
+    from labkit.launcher import launch
 
     return launch(worker_overlapped, world_size=2, cluster="cpu", timeout_s=120)
 
@@ -226,7 +226,7 @@ def test_second_backward_without_finish_is_a_clear_error(overlapped_results):
 
 
 def test_naive_allreduce_matches_single_process():
-    from labkit.launch import launch
+    from labkit.launcher import launch
 
     results = launch(worker_naive, world_size=2, cluster="cpu", timeout_s=60)
     ref = _reference("adam", with_unused=True)
@@ -239,7 +239,7 @@ def test_naive_allreduce_matches_single_process():
 
 
 def test_bandwidth_test_rows():
-    from labkit.launch import launch
+    from labkit.launcher import launch
 
     rows0, rows1 = launch(worker_bandwidth, world_size=2, cluster="cpu", timeout_s=60)
     assert [r["op"] for r in rows0] == [

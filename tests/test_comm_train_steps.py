@@ -38,7 +38,7 @@ def worker_broken() -> dict:
 
 @pytest.fixture(scope="module")
 def all_modes(tmp_path_factory):
-    from labkit.launch import launch
+    from labkit.launcher import launch
 
     trace_dir = tmp_path_factory.mktemp("traces")
     return launch(worker_all_modes, str(trace_dir), world_size=2, cluster="cpu", timeout_s=120)
@@ -92,7 +92,7 @@ def test_traces_show_overlap_only_for_the_fix(all_modes):
 
 
 def test_the_reference_check_catches_wrong_gradients():
-    from labkit.launch import launch
+    from labkit.launcher import launch
 
     s = summarize_steps(launch(worker_broken, world_size=2, cluster="cpu", timeout_s=120))
     assert s["overlapped"]["max_abs_diff"] > 1e-5

@@ -1,4 +1,4 @@
-"""labkit.memory (ZeRO and Korthikanti formulas), labkit.measure (measurement, FakeTensor estimate,
+"""labkit.memory (ZeRO and Korthikanti formulas), labkit.measured_memory (measurement, FakeTensor estimate,
 batch finder), labkit.batch and lab 02's driver labkit.experiments.oom_batch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import labkit
 from labkit.batch import accumulation_steps, choose_micro_batch
 from labkit.experiments.oom_batch import DPResult, dp_train, max_micro_batch, rank_micro_batches, reference_gradients
-from labkit.measure import BatchSearch, estimate_fake, find_max_batch, measure
+from labkit.measured_memory import BatchSearch, estimate_fake, find_max_batch, measure
 from labkit.memory import MemoryBreakdown, bytes_per_param, estimate, gpt_activation_bytes, korthikanti_activation_bytes
 from labkit.parallel.data import accumulate_with_no_sync, accumulate_without_no_sync
 from labkit.models import GPT, GPTConfig, synthetic_batch
@@ -425,7 +425,7 @@ def test_reference_gradients_equal_accumulated_micro_batches() -> None:
 
 
 def test_dp_train_needs_a_rank() -> None:
-    with pytest.raises(ValueError, match="labkit.launch"):
+    with pytest.raises(ValueError, match="labkit.launcher"):
         dp_train(SMALL, 8, 4)
 
 

@@ -130,3 +130,32 @@ def test_the_wheel_holds_every_subpackage(tmp_path):
     packaged = {n.rsplit("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/__init__.py")}
     on_disk = {str(p.parent.relative_to(REPO)) for p in (REPO / "labkit").rglob("__init__.py")}
     assert on_disk <= packaged, f"missing from the wheel: {sorted(on_disk - packaged)}"
+
+
+def test_help_and_import_do_not_import_torch() -> None:
+    # `labkit --help` must answer at once: the package imports its names on first use.
+    import subprocess
+
+    code = (
+        "import sys, labkit, labkit.cli\n"
+        "try:\n    labkit.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "from labkit import launch, measure\n"
+        "import labkit.launcher, labkit.measured_memory\n"
+        "assert callable(labkit.launch) and callable(labkit.measure), (labkit.launch, labkit.measure)\n"
+        "assert labkit.memory.estimate is labkit.estimate\n"
+        "assert set(labkit.__all__) <= set(dir(labkit))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    import labkit
+
+    try:
+        labkit.no_such_name
+    except AttributeError as error:
+        assert "no_such_name" in str(error)
+    else:
+        raise AssertionError("labkit.no_such_name did not raise")

@@ -196,7 +196,7 @@ def worker_capture_overlapped(trace_dir: str) -> dict:
 
 
 def test_capture_overlapped_ddp_two_ranks(tmp_path):
-    from labkit.launch import launch
+    from labkit.launcher import launch
 
     results = launch(worker_capture_overlapped, str(tmp_path), world_size=2, cluster="cpu", timeout_s=120)
     for rank, res in enumerate(results):

@@ -5,5 +5,5 @@
 * `oom_batch.py`: lab 02, data-parallel steps with gradient accumulation and their memory;
 * `unoverlapped_comms.py`: lab 03, the naive, overlapped and torch DDP steps, timed.
 
-The building blocks they drive are in `labkit.parallel`, `labkit.measure` and `labkit.trace`.
+The building blocks they drive are in `labkit.parallel`, `labkit.measured_memory` and `labkit.trace`.
 """

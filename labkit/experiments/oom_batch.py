@@ -6,7 +6,7 @@ budget or a GPU's memory fraction):
 * ``dp_train``: optimizer steps of one global batch each, through ``accumulate(ddp, batches)``
   (``labkit.parallel.data.accumulate_with_no_sync`` by default), counting DDP's all-reduces
   and measuring the peak of the last step;
-* ``max_micro_batch``: ``labkit.measure.find_max_batch`` for one rank's training step;
+* ``max_micro_batch``: ``labkit.find_max_batch`` for one rank's training step;
 * ``rank_micro_batches`` and ``reference_gradients``: the data split and the single-process
   big-batch gradient the accumulation is checked against (``labkit.experiments.common``).
 """
@@ -25,7 +25,7 @@ from torch import nn
 from labkit import runtime, validate
 from labkit.experiments.common import CountingAllReduce, rank_rows, reference_backward, seeded_model
 from labkit.batch import accumulation_steps
-from labkit.measure import BatchSearch, find_max_batch, free_memory, measure
+from labkit.measured_memory import BatchSearch, find_max_batch, free_memory, measure
 from labkit.memory import MemoryBreakdown
 from labkit.models import GPT, GPTConfig, synthetic_batch
 from labkit.parallel.data import accumulate_with_no_sync

@@ -58,7 +58,7 @@ from labkit.cluster import Cluster
 from labkit.emulate import diagnose_hang
 
 __all__ = ["RankError", "launch"]
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launch", "labkit.worker"]
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "labkit.worker"]
 _GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
 
 
