@@ -11,6 +11,8 @@ Outside `labkit.launch` (a plain script, torchrun) a rank is on a GPU when CUDA 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import os
 import time
@@ -112,6 +114,7 @@ def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist
         torch.set_num_threads(threads)
         if cluster.clock == "virtual":
             _pin_to_one_core(rank)
+            _keep_freed_memory()
         backend, extra = emulate.register_backend(), {}
     else:
         torch.cuda.set_device(local_rank)
@@ -134,6 +137,28 @@ def _pin_to_one_core(rank: int) -> None:
         cores = sorted(os.sched_getaffinity(0))
         if cores:
             os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+# glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
+
+
+def _keep_freed_memory() -> None:
+    """Let this rank's malloc keep freed tensor memory for reuse, as CUDA's caching allocator does.
+
+    By default glibc serves large tensors with mmap and hands them back on free, so every
+    step page-faults its activations in again (~1,000 faults per lab 03 step), and the
+    kernel's page zeroing counts as the rank's CPU time: its virtual clock then drifts with
+    memory pressure from other processes. With these two settings the faults drop to ~0 and
+    lab 03's compute step from 134-139 to 129-133 ms (CPU time, 10 steps). Not glibc: no-op.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    except (OSError, AttributeError):
+        pass
 
 
 def init_torchrun_group(timeout: timedelta) -> bool:
