@@ -230,7 +230,5 @@ def test_a_virtual_rank_reuses_freed_memory_instead_of_page_faulting_it_in_again
     # Page faults are CPU time on the rank's clock; glibc's default returns large blocks to
     # the kernel on free (1,024 faults per 4 MiB). On a virtual-clock rank they stay cached.
     virtual = launch(_faults_of_reused_tensors, world_size=1, cluster=_cluster(1))[0]
-    wall = launch(_faults_of_reused_tensors, world_size=1,
-                  cluster=Cluster.emulated(gpus_per_node=1, clock="wall"))[0]
+    # (glibc's default, clock="wall", measured 0 or ~40,000 here, by its dynamic mmap threshold)
     assert virtual < 100, virtual
-    assert wall > 10 * 1024, wall  # glibc's default, for contrast: each step faults in again

@@ -1,17 +1,16 @@
 """A model of PyTorch's CUDA caching allocator, so an emulated GPU fragments like a real one.
 
 `CachingAllocator` replays on a byte count (no memory is touched) the rules of
-c10/cuda/CUDACachingAllocator.cpp: requests rounded to 512 B; a small pool (<= 1 MiB, 2 MiB
-segments) and a large pool (a 20 MiB segment under 10 MiB, else the request rounded to 2 MiB);
-best fit; splitting and merging inside a segment; cached segments given back only when a new one
-would not fit or on `empty_cache()`; `max_split_size`; and `expandable_segments` (one segment per
-pool, grown by mapping pages: 2 MiB in the small pool, 20 MiB in the large one, as in the source).
-Its OOM reads like CUDA's. `budget.py` (`MemoryBudget(..., allocator="caching")`) mallocs every
-tensor storage of a rank from it; `labkit.runtime` reads that budget. Left out: streams and events
-(a free is immediate), CUDA graph / MemPool pools, garbage_collection_threshold,
-roundup_power2_divisions, max_non_split_rounding_mb and large_segment_size_mb (defaults used),
-memory fractions, driver and other processes' memory, and the address-space limit of an expandable
-segment (unbounded here). Not thread-safe: `MemoryBudget` calls it under its lock.
+c10/cuda/CUDACachingAllocator.cpp: sizes rounded to 512 B; a small pool (<= 1 MiB, 2 MiB segments)
+and a large pool (a 20 MiB segment under 10 MiB, else the size rounded to 2 MiB); best fit; split
+and merge inside a segment; cached segments given back only when a new one would not fit or on
+`empty_cache()`; `max_split_size`; `expandable_segments` (one segment per pool grown by mapping
+pages: 2 MiB in the small pool, 20 MiB in the large one, as in the source). Its OOM reads like
+CUDA's. `budget.py` (`MemoryBudget(..., allocator="caching")`) mallocs each tensor storage of a
+rank from it. Left out: streams and events (a free is immediate), CUDA graph / MemPool pools,
+garbage_collection_threshold, roundup_power2_divisions, max_non_split_rounding_mb and
+large_segment_size_mb (defaults used), memory fractions, memory of the driver or other processes,
+and an expandable segment's address-space limit (none here). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -32,19 +31,23 @@ kSmallBuffer = 2 << 20  # "small" allocations are packed in 2 MiB segments
 kMinLargeAlloc = 10 << 20  # allocations between 1 and 10 MiB may use kLargeBuffer
 kLargeBuffer = 20 << 20  # "large" allocations may be packed in 20 MiB segments
 kRoundLarge = 2 << 20  # round up large allocations to 2 MiB
-_VA_PAGES = 1 << 30  # address space of a model expandable segment, in pages ("unbounded")
+_PAGE = {True: kSmallBuffer, False: kLargeBuffer}  # find_expandable_block: an expandable segment's page
+
+
+def _up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def round_size(nbytes: int) -> int:
     """`round_size`: up to a multiple of kMinBlockSize (512 B), at least 512."""
-    return max(kMinBlockSize, -(-nbytes // kMinBlockSize) * kMinBlockSize)
+    return max(kMinBlockSize, _up(nbytes, kMinBlockSize))
 
 
 def allocation_size(size: int) -> int:
-    """`get_allocation_size`: the segment cudaMalloc'ed for a rounded request no cached block fits."""
+    """`get_allocation_size`: the segment cudaMalloc'ed for a rounded size that no cached block fits."""
     if size <= kSmallSize:
         return kSmallBuffer
-    return kLargeBuffer if size < kMinLargeAlloc else -(-size // kRoundLarge) * kRoundLarge
+    return kLargeBuffer if size < kMinLargeAlloc else _up(size, kRoundLarge)
 
 
 def format_size(nbytes: int) -> str:
@@ -55,42 +58,25 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes / 2 ** (10 * unit + 10):.2f} {('KiB', 'MiB', 'GiB')[unit]}"
 
 
-def _page(small: bool) -> int:
-    return kSmallBuffer if small else kLargeBuffer  # find_expandable_block's segment_size
-
-
-def _up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-class _Segment:
-    __slots__ = ("small", "expandable", "head", "size")
-
-    def __init__(self, small: bool, expandable: bool) -> None:
-        self.small, self.expandable, self.size, self.head = small, expandable, 0, None
-
-
 class _Block:
-    """A `Block`: an address range of a segment; allocated or free; mapped or not (expandable)."""
+    """A `Block`: a range of a segment (a segment is its first block), allocated or free, mapped or not."""
 
-    __slots__ = ("seg", "addr", "size", "allocated", "mapped", "prev", "next")
+    __slots__ = ("small", "expandable", "addr", "size", "allocated", "mapped", "prev", "next")
 
-    def __init__(self, seg: _Segment, addr: int, size: int, mapped: bool = True) -> None:
-        self.seg, self.addr, self.size, self.mapped, self.allocated = seg, addr, size, mapped, False
+    def __init__(self, small: bool, expandable: bool, addr: int, size: int, mapped: bool = True) -> None:
+        self.small, self.expandable, self.addr, self.size, self.mapped = small, expandable, addr, size, mapped
+        self.allocated = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
-    def link_after(self, other: _Block) -> None:
-        other.prev, other.next = self, self.next
+    def split(self, at: int) -> _Block:
+        """Cut at offset `at`; returns the new block after the cut (mapped as this one)."""
+        rest = _Block(self.small, self.expandable, self.addr + at, self.size - at, self.mapped)
+        rest.prev, rest.next, self.size = self, self.next, at
         if self.next is not None:
-            self.next.prev = other
-        self.next = other
-
-    def unlink(self) -> None:
-        if self.prev is not None:
-            self.prev.next = self.next
-        if self.next is not None:
-            self.next.prev = self.prev
+            self.next.prev = rest
+        self.next = rest
+        return rest
 
 
 class CachingAllocator:
@@ -109,15 +95,15 @@ class CachingAllocator:
             raise ValueError(f"expandable_segments={expandable_segments!r} must be True or False; "
                              "e.g. CachingAllocator(n, expandable_segments=True)")
         # parseMaxSplitSize: max_split_size_mb >= kLargeBuffer / MiB.
-        if max_split_size is not None and (validate.positive_int("max_split_size", max_split_size) < kLargeBuffer):
+        if max_split_size is not None and validate.positive_int("max_split_size", max_split_size) < kLargeBuffer:
             raise ValueError(f"max_split_size={max_split_size!r} must be >= {kLargeBuffer} (20 MiB, as "
                              "max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF); e.g. max_split_size=64 * 2**20")
         self.capacity_bytes, self.device = int(capacity_bytes), device
         self.expandable_segments, self.max_split_size = expandable_segments, max_split_size
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
-        self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # sorted (size, addr, block)
-        self._segments: list[_Segment] = []  # cudaMalloc'ed segments
-        self._expandable: dict[bool, _Segment] = {}  # small? -> that pool's expandable segment
+        self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # sorted (size, addr, b)
+        self._segments: list[_Block] = []  # cudaMalloc'ed segments (their first blocks)
+        self._expandable: dict[bool, _Block] = {}  # small? -> that pool's expandable segment
         self._live: dict[int, _Block] = {}
         self._next_addr = 0
 
@@ -127,8 +113,8 @@ class CachingAllocator:
         size = round_size(nbytes)
         small = size <= kSmallSize  # get_pool
         block = self._get_free_block(small, size)
-        if block is None:  # malloc: alloc_block, else release_available_cached_blocks (max_split_size
-            # only) and retry, else release_cached_blocks and retry, else OOM.
+        if block is None:  # alloc_block; else release_available_cached_blocks (with max_split_size)
+            # and retry; else release_cached_blocks and retry; else OOM.
             attempt = self._map_pages if self.expandable_segments else self._cuda_malloc
             block = attempt(small, size)
             if block is None and self.max_split_size is not None and not self.expandable_segments:
@@ -138,12 +124,10 @@ class CachingAllocator:
                 block = attempt(small, size)
             if block is None:
                 raise self._oom(nbytes, size)
-        rest = block.size - size  # alloc_found_block, split when should_split says so
+        rest = block.size - size  # alloc_found_block: split when should_split says so
         if ((rest >= kMinBlockSize) if small or self.expandable_segments else
                 (self.max_split_size is None or size < self.max_split_size) and rest > kSmallSize):
-            block.link_after(_Block(block.seg, block.addr + size, rest))
-            block.size = size
-            self._insert_free(block.next)  # type: ignore[arg-type]
+            self._insert_free(block.split(size))
         block.allocated = True
         self._live[block.addr] = block
         self.allocated += block.size
@@ -161,14 +145,13 @@ class CachingAllocator:
         self._insert_free(self._merge(block))
 
     def empty_cache(self) -> None:
-        """`release_cached_blocks`: give back each entirely free segment; with expandable segments,
-        unmap each page that holds no allocated byte (`release_blocks`, `unmap_block`)."""
+        """`release_cached_blocks`: free each entirely free segment, or unmap each page with no allocation."""
         for small in (False, True):
             for _, _, block in list(self._free[small]):
-                if block.seg.expandable:
+                if block.expandable:
                     self._unmap_block(block)
                 elif block.prev is None and block.next is None:
-                    self._release_segment(block.seg)
+                    self._release_segment(block)
 
     def reset_peak(self) -> None:
         """`resetPeakStats`: the peaks back to the current values."""
@@ -183,7 +166,7 @@ class CachingAllocator:
     def inactive_split(self) -> int:
         """Free bytes in split segments (memory_stats "inactive_split_bytes"; not expandable, as there)."""
         return sum(b.size for lst in self._free.values() for _, _, b in lst
-                   if not b.seg.expandable and (b.prev is not None or b.next is not None))
+                   if not b.expandable and (b.prev is not None or b.next is not None))
 
     @property
     def largest_free_block(self) -> int:
@@ -191,22 +174,21 @@ class CachingAllocator:
         return max((lst[-1][0] for lst in self._free.values() if lst), default=0)
 
     def segments(self) -> list[dict[str, Any]]:
-        """By address, per segment (per mapped range of an expandable one, as `snapshot()` in the
-        source): address, pool, expandable, size, and blocks as (offset, size, allocated)."""
+        """Per segment (per mapped range of an expandable one, as `snapshot()`), by address: address,
+        pool, expandable, size, and blocks as (offset, size, allocated)."""
         out = []
-        for seg in self._segments + list(self._expandable.values()):
-            b = seg.head
+        for b in self._segments + list(self._expandable.values()):
+            pool, expandable = "small" if b.small else "large", b.expandable
             while b is not None:
-                if b.mapped:
-                    base, blocks = b.addr, []
-                    while b is not None and b.mapped:
-                        blocks.append((b.addr - base, b.size, b.allocated))
-                        b = b.next
-                    out.append({"address": base, "pool": "small" if seg.small else "large", "blocks": blocks,
-                                "expandable": seg.expandable, "size": sum(s for _, s, _ in blocks)})
-                else:
+                base, blocks = b.addr, []
+                while b is not None and b.mapped:
+                    blocks.append((b.addr - base, b.size, b.allocated))
                     b = b.next
-        return sorted(out, key=lambda s: s["address"])
+                if blocks:
+                    out.append({"address": base, "pool": pool, "expandable": expandable,
+                                "size": sum(n for _, n, _ in blocks), "blocks": blocks})
+                b = b.next if b is not None else None
+        return sorted(out, key=lambda seg: seg["address"])
 
     # ---------------------------------------------------------------- the source's private methods
     def _get_free_block(self, small: bool, size: int) -> _Block | None:
@@ -214,8 +196,8 @@ class CachingAllocator:
         i = bisect.bisect_left(free, (size,))  # best fit: the smallest block >= size, ties by address
         if i == len(free):
             return None
-        while self.expandable_segments and i + 1 < len(free) and _growable(free[i + 1][2]) < _growable(free[i][2]):
-            i += 1  # a block before unmapped space counts as the size it could grow to
+        while self.expandable_segments and i + 1 < len(free) and _grow(free[i + 1][2]) < _grow(free[i][2]):
+            i += 1  # expandable_size: a block before unmapped space counts as the size it can grow to
         block, ms = free[i][2], self.max_split_size
         # No oversize block (>= max_split_size) for a request below it; an oversize one only within
         # kLargeBuffer (max_non_split_rounding_mb's default) of the request.
@@ -229,63 +211,61 @@ class CachingAllocator:
         nbytes = allocation_size(size)
         if self.reserved + nbytes > self.capacity_bytes:
             return None
-        seg = _Segment(small, expandable=False)
-        seg.head, seg.size = _Block(seg, self._next_addr, nbytes), nbytes
+        self._segments.append(_Block(small, False, self._next_addr, nbytes))
         self._next_addr += nbytes
-        self._segments.append(seg)
         self._add_reserved(nbytes)
-        return seg.head
+        return self._segments[-1]
 
-    def _release_segment(self, seg: _Segment) -> None:  # release_block: cudaFree a free segment
-        self._remove_free(seg.head)
-        self._segments.remove(seg)
-        self.reserved -= seg.size
+    def _release_segment(self, head: _Block) -> None:  # release_block: cudaFree an entirely free segment
+        self._remove_free(head)
+        self._segments.remove(head)
+        self.reserved -= head.size
 
     def _release_available_cached_blocks(self, small: bool, size: int) -> bool:
-        """The smallest oversize cached block that covers the request, else oversize blocks from the
-        largest down until as many bytes are freed. (Oversize free blocks are never split.)"""
-        free, key = self._free[small], max(size, self.max_split_size or 0)
+        """Free the smallest oversize cached block that covers the request, else oversize blocks from
+        the largest down until as many bytes are freed (a free oversize block is a whole segment)."""
+        ms = self.max_split_size or 0
+        free, key = self._free[small], max(size, ms)
         i = bisect.bisect_left(free, (key,))
         if i < len(free):
-            self._release_segment(free[i][2].seg)
+            self._release_segment(free[i][2])
             return True
         released = 0
-        while free and released < key and free[-1][0] >= (self.max_split_size or 0):
+        while free and released < key and free[-1][0] >= ms:
             released += free[-1][0]
-            self._release_segment(free[-1][2].seg)
+            self._release_segment(free[-1][2])
         return released >= key
 
     def _map_pages(self, small: bool, size: int) -> _Block | None:
-        """`try_allocate_expandable_block`: at the lowest address where free and unmapped space span
-        `size` (find_expandable_block), map the missing pages if the device has them; merge."""
-        seg = self._expandable.get(small)
-        if seg is None:
-            seg = self._expandable[small] = _Segment(small, expandable=True)
-            seg.head = _Block(seg, (2 + small) << 58, _page(small) * _VA_PAGES, mapped=False)
-        start, b = None, seg.head
-        while start is None:  # the unbounded unmapped tail always qualifies
-            if not b.mapped:
-                c = b.prev if b.prev is not None and not b.prev.allocated else b
-                start = c if _span(c, size) >= size else None
-            b = b.next
+        """`try_allocate_expandable_block`: map the missing pages at the lowest address that fits."""
+        if small not in self._expandable:  # one segment per pool, with "unbounded" address space
+            self._expandable[small] = _Block(small, True, (2 + small) << 58, _PAGE[small] << 30, mapped=False)
+        start, b = None, self._expandable[small]
+        while start is None and b is not None:  # an unmapped block (or the free one before it) from
+            # which free and unmapped blocks span `size`; the unmapped tail always does
+            c = b.prev if b.prev is not None and not b.prev.allocated else b
+            span, d = 0, c
+            while not b.mapped and span < size and d is not None and not d.allocated:
+                span, d = span + d.size, d.next
+            start, b = (c if span >= size else None), b.next
+        assert start is not None
         need, covered, b = 0, 0, start
-        while covered < size:
-            step = b.size if b.mapped else _up(min(size - covered, b.size), _page(small))
+        while covered < size and b is not None:
+            step = b.size if b.mapped else _up(min(size - covered, b.size), _PAGE[small])
             need, covered, b = need + (0 if b.mapped else step), covered + step, b.next
         if self.reserved + need > self.capacity_bytes:
             return None
         block = start if start.mapped else self._map_block(start, min(size, start.size))
-        while block.size < size:
+        while block.size < size and block.next is not None:
             block = self._map_block(block.next, min(size - block.size, block.next.size))
         self._remove_free(block)
         return block
 
     def _map_block(self, block: _Block, nbytes: int) -> _Block:
         """`map_block`: back the first `nbytes` (whole pages) of an unmapped block; merge; cache it."""
-        n = _up(nbytes, _page(block.seg.small))
+        n = _up(nbytes, _PAGE[block.small])
         if n < block.size:
-            block.link_after(_Block(block.seg, block.addr + n, block.size - n, mapped=False))
-            block.size = n
+            block.split(n)  # the rest stays unmapped
         block.mapped = True
         self._add_reserved(n)
         merged = self._merge(block)
@@ -294,22 +274,18 @@ class CachingAllocator:
 
     def _unmap_block(self, block: _Block) -> None:
         """`unmap_block`: unmap the whole pages inside a free block; its ends stay mapped and free."""
-        base, page = block.seg.head.addr, _page(block.seg.small)
+        base, page = (2 + block.small) << 58, _PAGE[block.small]
         start, end = block.addr - base, block.addr - base + block.size
         lo, hi = _up(start, page), end // page * page
         if lo >= hi:
             return
         self._remove_free(block)
+        hole = block.split(lo - start) if lo > start else block
         if hi < end:
-            block.link_after(_Block(block.seg, base + hi, end - hi))
-            self._insert_free(block.next)
-        hole = block
-        if lo > start:
-            hole = _Block(block.seg, base + lo, hi - lo)
-            block.size = lo - start
-            block.link_after(hole)
+            self._insert_free(hole.split(hi - lo))
+        if hole is not block:
             self._insert_free(block)
-        hole.size, hole.mapped = hi - lo, False
+        hole.mapped = False
         self._merge(hole)
         self.reserved -= hi - lo
 
@@ -320,16 +296,17 @@ class CachingAllocator:
                 if other.mapped:
                     self._remove_free(other)
                 low, high = (other, block) if other is block.prev else (block, other)
-                low.size += high.size
-                high.unlink()
+                low.size, low.next = low.size + high.size, high.next
+                if high.next is not None:
+                    high.next.prev = low
                 block = low
         return block
 
     def _insert_free(self, block: _Block) -> None:
-        bisect.insort(self._free[block.seg.small], (block.size, block.addr, block))
+        bisect.insort(self._free[block.small], (block.size, block.addr, block))
 
     def _remove_free(self, block: _Block) -> None:
-        free = self._free[block.seg.small]
+        free = self._free[block.small]
         i = bisect.bisect_left(free, (block.size, block.addr))
         assert free[i][2] is block
         del free[i]
@@ -339,12 +316,11 @@ class CachingAllocator:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def _oom(self, nbytes: int, size: int) -> torch.OutOfMemoryError:
-        """The message of malloc's TORCH_CHECK_WITH(OutOfMemoryError, ...), the hint only when the
-        cache holds enough bytes for the request, in pieces."""
+        """malloc's OutOfMemoryError; the hint only when the cache holds the request's bytes, in pieces."""
         unallocated = self.reserved - self.allocated
         hint = (" If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF="
-                "expandable_segments:True to avoid fragmentation." if not self.expandable_segments
-                and unallocated >= size else "")
+                "expandable_segments:True to avoid fragmentation."
+                if not self.expandable_segments and unallocated >= size else "")
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_size(allocation_size(size))}. {self.device} has a "
             f"total capacity of {format_size(self.capacity_bytes)} of which "
@@ -355,15 +331,5 @@ class CachingAllocator:
             f"{format_size(size)} (emulated caching allocator)")
 
 
-def _growable(block: _Block) -> int:
-    """get_free_block's `expandable_size`: the block plus the unmapped range right after it."""
-    nxt = block.next
-    return block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
-
-
-def _span(block: _Block | None, size: int) -> int:
-    """find_expandable_block's `has_available_address_space`: free or unmapped bytes from `block`."""
-    total = 0
-    while total < size and block is not None and not block.allocated:
-        total, block = total + block.size, block.next
-    return total
+def _grow(b: _Block) -> int:  # get_free_block's expandable_size: with the unmapped range after it
+    return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
