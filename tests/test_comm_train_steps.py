@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import os
 from pathlib import Path
 
@@ -78,6 +80,13 @@ def test_summary_counts_collectives_and_matches_single_process(all_modes):
         per_step = [max(a, b) for a, b in zip(*(r["modes"][mode]["ms"] for r in all_modes))]
         assert row["ms_steps"] == per_step and min(per_step) <= row["ms"] <= max(per_step)
         assert row["cpu_ms"] > 0
+        # the step's own compute: its time less the waits for collectives (virtual clock), slowest rank
+        per_rank = [[ms - w for ms, w in zip(r["modes"][mode]["ms"], r["modes"][mode]["waited_ms"])]
+                    for r in all_modes]
+        own = [max(step) for step in zip(*per_rank)]
+        assert row["compute_ms"] == statistics.median(own) and 0 < row["compute_ms"] <= row["ms"]
+    assert s["compute"]["compute_ms"] == pytest.approx(s["compute"]["ms"])  # no collective: nothing waited
+    assert s["comm_naive"]["compute_ms"] < s["comm_naive"]["ms"] / 2  # communication alone: mostly waiting
     summary = all_modes[0]["modes"]["overlapped"]["bucket_summary"]
     assert len(summary) == buckets and summary[0]["names"][0] == "lm_head.weight"
 

@@ -42,7 +42,9 @@ def test_clock_counts_cpu_time_not_sleep_and_jumps_forward_only():
     assert clock.now() - t0 < 0.01
     busy(0.02)
     assert 0.02 <= clock.now() - t0 < 0.03
+    waited = clock.waited()
     assert clock.advance_to(t0 + 1.0) == pytest.approx(t0 + 1.0)
+    assert clock.waited() - waited == pytest.approx(1.0 - 0.02, abs=0.01)  # the jump is waiting, not compute
     assert clock.advance_to(t0) >= t0 + 1.0  # never backwards
     with clock.paused():
         busy(0.02)

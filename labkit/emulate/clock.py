@@ -55,6 +55,11 @@ class VirtualClock:
         with self._lock:
             return (self._cpu_ns() - self._excluded_ns + self._waited_ns) / 1e9
 
+    def waited(self) -> float:
+        """Seconds of this clock spent waiting for collectives (the rest is compute)."""
+        with self._lock:
+            return self._waited_ns / 1e9
+
     def advance_to(self, t: float) -> float:
         """Wait, in virtual time, until `t` (no-op if the clock is already past it); return now."""
         with self._lock:

@@ -162,12 +162,19 @@ def _check_modes(modes: Sequence[str], trace_modes: Sequence[str], steps: int, w
     validate.non_negative_int("train_steps warmup", warmup, "train_steps(modes, warmup=1)")
 
 
-def _timed(run: _Run, step_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
-    """(ms, process CPU ms, start) of one step on `labkit.runtime.clock`, after a barrier."""
+def _waited_s() -> float | None:
+    """Seconds this rank's virtual clock has waited for collectives (None off the virtual clock)."""
+    return emulate.rank_clock().waited() if runtime.on_virtual_clock() else None
+
+
+def _timed(run: _Run, step_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float | None]:
+    """(ms, process CPU ms, start, ms waiting for collectives or None) of one step on
+    `labkit.runtime.clock`, after a barrier."""
     dist.barrier(group=run.group)
-    t0, cpu0 = runtime.clock(), time.process_time()
+    w0, t0, cpu0 = _waited_s(), runtime.clock(), time.process_time()
     step_fn(run, x, y)
-    return (runtime.clock() - t0) * 1e3, (time.process_time() - cpu0) * 1e3, t0
+    ms, cpu_ms = (runtime.clock() - t0) * 1e3, (time.process_time() - cpu0) * 1e3
+    return ms, cpu_ms, t0, (_waited_s() - w0) * 1e3 if w0 is not None else None
 
 
 def train_steps(
@@ -233,7 +240,7 @@ def train_steps(
     checked = [m for m in modes if MODES[m].trains] if check else []
     ref = seeded_model(config, seed, dev) if checked else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr) if ref is not None else None
-    out = {m: {"ms": [], "cpu_ms": [], "collectives": [], "in_backward": [],
+    out = {m: {"ms": [], "cpu_ms": [], "waited_ms": [], "collectives": [], "in_backward": [],
                "buckets": runs[m].wrapped.num_buckets if "overlapped" in m else None,
                "bucket_summary": runs[m].wrapped.bucket_summary() if "overlapped" in m else None,
                "max_abs_diff": [] if m in checked else None}
@@ -243,12 +250,13 @@ def train_steps(
     for s in range(warmup + steps):
         x, y = batch(s)
         for m in modes:
-            ms, cpu_ms, t0 = _timed(runs[m], MODES[m].step, x, y)
+            ms, cpu_ms, t0, waited_ms = _timed(runs[m], MODES[m].step, x, y)
             if s >= warmup:
                 windows[m].append((s, t0, t0 + ms / 1e3))
                 row = out[m]
                 row["ms"].append(ms)
                 row["cpu_ms"].append(cpu_ms)
+                row["waited_ms"].append(waited_ms)
                 row["collectives"].append(runs[m].collectives)
                 row["in_backward"].append(runs[m].in_backward)
         if ref is not None:
@@ -285,12 +293,22 @@ def train_steps(
     }
 
 
+def _own_compute_ms(per_rank: list[dict[str, Any]]) -> float | None:
+    """Median over steps of the slowest rank's step time less its waits (None without waits)."""
+    if any(not pr.get("waited_ms") or None in pr["waited_ms"] for pr in per_rank):
+        return None
+    own = zip(*([ms - w for ms, w in zip(pr["ms"], pr["waited_ms"])] for pr in per_rank))
+    return statistics.median(max(step) for step in own)
+
+
 def summarize_steps(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Combine `train_steps` results of all ranks: per mode, the median step time (ms).
 
     A data-parallel step is as slow as its slowest rank, so each step's time is the
     maximum over ranks; the median over steps is then robust to a noisy machine. Also
-    gives the CPU time per step (median per rank, mean over ranks), the collectives per
+    gives the step's own compute on the virtual clock ("compute_ms": the step less its waits
+    for collectives, slowest rank, median over steps; None elsewhere), the CPU time per step
+    (median per rank, mean over ranks), the collectives per
     step, how many were launched during backward, the number of buckets and the worst
     parameter difference against the single-process reference.
     """
@@ -304,6 +322,8 @@ def summarize_steps(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, An
         summary[m] = {
             "ms": statistics.median(step_max),
             "ms_steps": step_max,
+            # the step's own compute (its time less the waits for collectives; virtual clock only)
+            "compute_ms": _own_compute_ms(per_rank),
             "cpu_ms": statistics.mean(statistics.median(pr["cpu_ms"]) for pr in per_rank),
             "collectives": per_rank[0]["collectives"][-1] if per_rank[0]["collectives"] else 0,
             "in_backward": per_rank[0]["in_backward"][-1] if per_rank[0]["in_backward"] else None,
