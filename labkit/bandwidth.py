@@ -1,7 +1,7 @@
 """A bandwidth test in the style of nccl-tests: time one collective per size, report bus bandwidth.
 
 `bandwidth_test` is what lab 00 sweeps: every rank calls it, each gets the same rows
-(size, median time, algorithm bandwidth and bus bandwidth as nccl-tests defines them,
+(size, time per collective, algorithm bandwidth and bus bandwidth as nccl-tests defines them,
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The bus-bandwidth
 factors and the α-β model the results are compared with live in `labkit.links`; the timer
 is `labkit.runtime.clock`.

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from labkit import calibrate, validate
+from labkit import calibrate, gpu_links, validate
 from labkit.links import FLOP_PER_BYTE_INTER, FLOP_PER_BYTE_INTRA, Link, Topology, default_links
 
 __all__ = ["GPU", "Cluster"]
@@ -106,7 +106,7 @@ class Cluster:
             except Exception:  # a CUDA build without NCCL
                 nccl = None
         matrix = _nvidia_smi_topo() if gpus else ""
-        intra = _guess_intra_link(matrix) if gpus else Link(1.0, 0.0, "none")
+        intra = gpu_links.intra_node_link(matrix, [g.name for g in gpus]) if gpus else Link(1.0, 0.0, "none")
         return cls(
             kind="gpu",
             nodes=1,
@@ -253,10 +253,3 @@ def _nvidia_smi_topo() -> str:
         return subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
-
-
-def _guess_intra_link(matrix: str) -> Link:
-    """NVLink when `nvidia-smi topo -m` shows NV# between GPUs, else PCIe (datasheet figures)."""
-    if any(tok.startswith("NV") and tok[2:].isdigit() for tok in matrix.split()):
-        return Link(450.0, 3.0, "NVLink (from nvidia-smi topo -m)")
-    return Link(25.0, 5.0, "PCIe 4.0 x16 (from nvidia-smi topo -m)")
