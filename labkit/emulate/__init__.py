@@ -11,6 +11,7 @@
 `labkit.runtime` sets these up on each rank; `labkit.launch` reads the records.
 """
 
+from labkit.emulate.allocator import CachingAllocator
 from labkit.emulate.budget import MemoryBudget, active_budget
 from labkit.emulate.clock import VirtualClock, rank_clock
 from labkit.emulate.process_group import (
@@ -33,6 +34,7 @@ __all__ = [
     "CLOCK_ENV",
     "RECORD_DIR_ENV",
     "TOPOLOGY_ENV",
+    "CachingAllocator",
     "CollectiveRecord",
     "EmulatedProcessGroup",
     "MemoryBudget",

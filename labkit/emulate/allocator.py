@@ -1,16 +1,15 @@
 """A model of PyTorch's CUDA caching allocator, so an emulated GPU fragments like a real one.
 
-`CachingAllocator` replays on a byte count (no memory is touched) the rules of
-c10/cuda/CUDACachingAllocator.cpp: sizes rounded to 512 B; a small pool (<= 1 MiB, 2 MiB segments)
-and a large pool (a 20 MiB segment under 10 MiB, else the size rounded to 2 MiB); best fit; split
-and merge inside a segment; cached segments given back only when a new one would not fit or on
-`empty_cache()`; `max_split_size`; `expandable_segments` (one segment per pool grown by mapping
-pages: 2 MiB in the small pool, 20 MiB in the large one, as in the source). Its OOM reads like
-CUDA's. `budget.py` (`MemoryBudget(..., allocator="caching")`) mallocs each tensor storage of a
-rank from it. Left out: streams and events (a free is immediate), CUDA graph / MemPool pools,
-garbage_collection_threshold, roundup_power2_divisions, max_non_split_rounding_mb and
-large_segment_size_mb (defaults used), memory fractions, memory of the driver or other processes,
-and an expandable segment's address-space limit (none here). Not thread-safe.
+`CachingAllocator` replays on a byte count (no memory is touched) the rules of c10/cuda/CUDACachingAllocator.cpp:
+sizes rounded to 512 B; a small pool (<= 1 MiB, 2 MiB segments) and a large pool (a 20 MiB segment under
+10 MiB, else the size rounded to 2 MiB); best fit; split and merge inside a segment; cached segments given
+back only when a new one would not fit or on `empty_cache()`; `max_split_size`; `expandable_segments` (one
+segment per pool grown by mapping pages: 2 MiB in the small pool, 20 MiB in the large one, as in the source).
+Its OOM reads like CUDA's. `budget.py` (`MemoryBudget(..., allocator="caching")`) mallocs each tensor
+storage of a rank from it. Left out: streams and events (a free is immediate), CUDA graph / MemPool pools,
+garbage_collection_threshold, roundup_power2_divisions, max_non_split_rounding_mb and large_segment_size_mb
+(defaults used), memory fractions, memory of the driver or other processes, and an expandable segment's
+address-space limit (none here). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -82,24 +81,21 @@ class _Block:
 class CachingAllocator:
     """PyTorch's CUDA caching allocator on `capacity_bytes` of emulated device memory.
 
-    `malloc(n)` returns a handle (the block's address); `free(handle)` gives it back to the cache.
-    `allocated` / `reserved` (and `peak_*`, reset by `reset_peak()`) are what
-    `torch.cuda.memory_allocated` / `memory_reserved` would report: bytes in allocated blocks
-    (rounded sizes) and bytes in segments or mapped pages.
+    `malloc(n)` returns a handle (the block's address); `free(handle)` gives it back to the cache. `allocated`,
+    `reserved` (and `peak_*`, reset by `reset_peak()`) are what `torch.cuda.memory_allocated` / `memory_reserved`
+    would say: bytes in allocated blocks (rounded sizes), bytes in segments or mapped pages.
     """
 
     def __init__(self, capacity_bytes: int, *, expandable_segments: bool = False,
                  max_split_size: int | None = None, device: str = "GPU 0") -> None:
         validate.positive_int("CachingAllocator capacity_bytes", capacity_bytes, "CachingAllocator(256 * 2**20)")
-        if not isinstance(expandable_segments, bool):
-            raise ValueError(f"expandable_segments={expandable_segments!r} must be True or False; "
-                             "e.g. CachingAllocator(n, expandable_segments=True)")
+        validate.one_of("expandable_segments", expandable_segments, (False, True), "expandable_segments=True")
         # parseMaxSplitSize: max_split_size_mb >= kLargeBuffer / MiB.
         if max_split_size is not None and validate.positive_int("max_split_size", max_split_size) < kLargeBuffer:
             raise ValueError(f"max_split_size={max_split_size!r} must be >= {kLargeBuffer} (20 MiB, as "
                              "max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF); e.g. max_split_size=64 * 2**20")
         self.capacity_bytes, self.device = int(capacity_bytes), device
-        self.expandable_segments, self.max_split_size = expandable_segments, max_split_size
+        self.expandable_segments, self.max_split_size = bool(expandable_segments), max_split_size
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
         self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # sorted (size, addr, b)
         self._segments: list[_Block] = []  # cudaMalloc'ed segments (their first blocks)
@@ -113,12 +109,11 @@ class CachingAllocator:
         size = round_size(nbytes)
         small = size <= kSmallSize  # get_pool
         block = self._get_free_block(small, size)
-        if block is None:  # alloc_block; else release_available_cached_blocks (with max_split_size)
-            # and retry; else release_cached_blocks and retry; else OOM.
+        if block is None:  # alloc_block, else release_available_cached_blocks, else release_cached_blocks, else OOM
             attempt = self._map_pages if self.expandable_segments else self._cuda_malloc
             block = attempt(small, size)
-            if block is None and self.max_split_size is not None and not self.expandable_segments:
-                block = attempt(small, size) if self._release_available_cached_blocks(small, size) else None
+            if block is None and self._release_available_cached_blocks(small, size):
+                block = attempt(small, size)
             if block is None:
                 self.empty_cache()
                 block = attempt(small, size)
@@ -174,8 +169,7 @@ class CachingAllocator:
         return max((lst[-1][0] for lst in self._free.values() if lst), default=0)
 
     def segments(self) -> list[dict[str, Any]]:
-        """Per segment (per mapped range of an expandable one, as `snapshot()`), by address: address,
-        pool, expandable, size, and blocks as (offset, size, allocated)."""
+        """Per segment (an expandable one: per mapped range, as `snapshot()`): address, pool, size, blocks."""
         out = []
         for b in self._segments + list(self._expandable.values()):
             pool, expandable = "small" if b.small else "large", b.expandable
@@ -196,8 +190,12 @@ class CachingAllocator:
         i = bisect.bisect_left(free, (size,))  # best fit: the smallest block >= size, ties by address
         if i == len(free):
             return None
-        while self.expandable_segments and i + 1 < len(free) and _grow(free[i + 1][2]) < _grow(free[i][2]):
-            i += 1  # expandable_size: a block before unmapped space counts as the size it can grow to
+
+        def grow(b: _Block) -> int:  # expandable_size: a block counts with the unmapped range after it
+            return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+        while self.expandable_segments and i + 1 < len(free) and grow(free[i + 1][2]) < grow(free[i][2]):
+            i += 1
         block, ms = free[i][2], self.max_split_size
         # No oversize block (>= max_split_size) for a request below it; an oversize one only within
         # kLargeBuffer (max_non_split_rounding_mb's default) of the request.
@@ -212,8 +210,8 @@ class CachingAllocator:
         if self.reserved + nbytes > self.capacity_bytes:
             return None
         self._segments.append(_Block(small, False, self._next_addr, nbytes))
-        self._next_addr += nbytes
-        self._add_reserved(nbytes)
+        self._next_addr, self.reserved = self._next_addr + nbytes, self.reserved + nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
         return self._segments[-1]
 
     def _release_segment(self, head: _Block) -> None:  # release_block: cudaFree an entirely free segment
@@ -222,9 +220,10 @@ class CachingAllocator:
         self.reserved -= head.size
 
     def _release_available_cached_blocks(self, small: bool, size: int) -> bool:
-        """Free the smallest oversize cached block that covers the request, else oversize blocks from
-        the largest down until as many bytes are freed (a free oversize block is a whole segment)."""
-        ms = self.max_split_size or 0
+        """The smallest oversize cached block covering the request, else the largest ones until as many bytes."""
+        ms = self.max_split_size
+        if ms is None or self.expandable_segments:  # unset; expandable blocks are never released here
+            return False
         free, key = self._free[small], max(size, ms)
         i = bisect.bisect_left(free, (key,))
         if i < len(free):
@@ -241,33 +240,30 @@ class CachingAllocator:
         if small not in self._expandable:  # one segment per pool, with "unbounded" address space
             self._expandable[small] = _Block(small, True, (2 + small) << 58, _PAGE[small] << 30, mapped=False)
         start, b = None, self._expandable[small]
-        while start is None and b is not None:  # an unmapped block (or the free one before it) from
-            # which free and unmapped blocks span `size`; the unmapped tail always does
+        while start is None and b is not None:  # find_expandable_block: an unmapped block (or the free
+            # one before it) from which free and unmapped blocks span `size`; the unmapped tail does
             c = b.prev if b.prev is not None and not b.prev.allocated else b
             span, d = 0, c
             while not b.mapped and span < size and d is not None and not d.allocated:
                 span, d = span + d.size, d.next
             start, b = (c if span >= size else None), b.next
         assert start is not None
-        need, covered, b = 0, 0, start
-        while covered < size and b is not None:
-            step = b.size if b.mapped else _up(min(size - covered, b.size), _PAGE[small])
-            need, covered, b = need + (0 if b.mapped else step), covered + step, b.next
-        if self.reserved + need > self.capacity_bytes:
-            return None
         block = start if start.mapped else self._map_block(start, min(size, start.size))
-        while block.size < size and block.next is not None:
+        while block is not None and block.size < size and block.next is not None:
             block = self._map_block(block.next, min(size - block.size, block.next.size))
-        self._remove_free(block)
+        if block is not None:  # on a failure, the pages mapped so far stay mapped (and cached)
+            self._remove_free(block)
         return block
 
-    def _map_block(self, block: _Block, nbytes: int) -> _Block:
-        """`map_block`: back the first `nbytes` (whole pages) of an unmapped block; merge; cache it."""
+    def _map_block(self, block: _Block, nbytes: int) -> _Block | None:
+        """`map_block`: back the first `nbytes` (whole pages) of an unmapped block if the device has them."""
         n = _up(nbytes, _PAGE[block.small])
+        if self.reserved + n > self.capacity_bytes:
+            return None
         if n < block.size:
             block.split(n)  # the rest stays unmapped
-        block.mapped = True
-        self._add_reserved(n)
+        block.mapped, self.reserved = True, self.reserved + n
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
         merged = self._merge(block)
         self._insert_free(merged)
         return merged
@@ -311,25 +307,16 @@ class CachingAllocator:
         assert free[i][2] is block
         del free[i]
 
-    def _add_reserved(self, nbytes: int) -> None:
-        self.reserved += nbytes
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-
     def _oom(self, nbytes: int, size: int) -> torch.OutOfMemoryError:
         """malloc's OutOfMemoryError; the hint only when the cache holds the request's bytes, in pieces."""
         unallocated = self.reserved - self.allocated
-        hint = (" If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF="
-                "expandable_segments:True to avoid fragmentation."
-                if not self.expandable_segments and unallocated >= size else "")
+        hint = (" If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
+                "True to avoid fragmentation." if not self.expandable_segments and unallocated >= size else "")
         return torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_size(allocation_size(size))}. {self.device} has a "
-            f"total capacity of {format_size(self.capacity_bytes)} of which "
+            f"CUDA out of memory. Tried to allocate {format_size(allocation_size(size))}. {self.device} has a total "
+            f"capacity of {format_size(self.capacity_bytes)} of which "
             f"{format_size(self.capacity_bytes - self.reserved)} is free. Of the allocated memory "
-            f"{format_size(self.allocated)} is allocated by PyTorch, and {format_size(unallocated)} is "
-            f"reserved by PyTorch but unallocated.{hint} Largest free cached block: "
+            f"{format_size(self.allocated)} is allocated by PyTorch, and "
+            f"{format_size(unallocated)} is reserved by PyTorch but unallocated.{hint} Largest free cached block: "
             f"{format_size(self.largest_free_block)}; request: {format_size(nbytes)}, rounded to "
             f"{format_size(size)} (emulated caching allocator)")
-
-
-def _grow(b: _Block) -> int:  # get_free_block's expandable_size: with the unmapped range after it
-    return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)

@@ -4,7 +4,10 @@
 rank and raises `torch.OutOfMemoryError` when an allocation would go over the budget, with
 a message shaped like the CUDA caching allocator's. `labkit.launch` turns it on for a
 cluster made with `Cluster.emulated(memory_gib=...)`; `labkit.runtime.memory_allocated`
-and friends read it. It counts tensor bytes only: no allocator rounding or segments.
+and friends read it. By default it counts tensor bytes only: no allocator rounding or segments.
+With `allocator="caching"` (or "expandable", or a `CachingAllocator` of `allocator.py`) every
+counted storage is also malloc'ed from that model of CUDA's caching allocator, whose OOM (with
+fragmentation) is then the budget's, and `reserved` is what the allocator holds.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from labkit import _torch_compat as compat
 from labkit import validate
+from labkit.emulate.allocator import CachingAllocator
 
 __all__ = ["MemoryBudget", "active_budget"]
 
@@ -36,18 +40,39 @@ class MemoryBudget(compat.TorchDispatchMode):
     mode started can be counted with `track(...)`. The check runs when an operator returns,
     so the failed allocation briefly exists in host memory; the lesson (which allocation
     tipped the rank over, and how much was in use) is the same as on a GPU.
+
+    `allocator`: None (count live tensor bytes against `limit_bytes`), "caching" or
+    "expandable" (a `CachingAllocator` of `limit_bytes`, with expandable segments for the
+    latter), or a `CachingAllocator` whose capacity is `limit_bytes`. `allocated` and `peak`
+    stay live tensor bytes; `reserved` and `peak_reserved` are the allocator's (equal to
+    `allocated` and `peak` without one).
     """
 
-    def __init__(self, limit_bytes: int, *, rank: int = 0, device_name: str = "emulated GPU") -> None:
+    def __init__(self, limit_bytes: int, *, rank: int = 0, device_name: str = "emulated GPU",
+                 allocator: CachingAllocator | str | None = None) -> None:
         super().__init__()
         validate.positive_int("MemoryBudget limit_bytes", limit_bytes, "MemoryBudget(256 * 2**20) for 256 MiB")
         self.limit_bytes = int(limit_bytes)
         self.rank = rank
         self.device_name = device_name
+        if allocator is not None and not isinstance(allocator, CachingAllocator):
+            validate.one_of("MemoryBudget allocator", allocator, ("caching", "expandable"),
+                            'MemoryBudget(n, allocator="caching") or allocator=CachingAllocator(n)')
+            allocator = CachingAllocator(self.limit_bytes, expandable_segments=allocator == "expandable",
+                                         device=f"Rank {rank}'s {device_name}")
+        elif allocator is not None and allocator.capacity_bytes != self.limit_bytes:
+            raise ValueError(f"allocator.capacity_bytes={allocator.capacity_bytes} must equal limit_bytes="
+                             f"{self.limit_bytes}; e.g. MemoryBudget(n, allocator=CachingAllocator(n))")
+        self.allocator = allocator
         self.allocated = 0
         self.peak = 0
         self._seen: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._handles: dict[int, int] = {}  # storage key -> allocator handle
+        # A garbage collection run inside the lock (the allocator allocates Python objects) may free
+        # a storage and call _release on this thread: an RLock lets it in, and it only queues.
+        self._lock = threading.RLock()
+        self._busy = False
+        self._pending: list[tuple[int, int]] = []
 
     def _count(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta:
@@ -63,25 +88,54 @@ class MemoryBudget(compat.TorchDispatchMode):
         with self._lock:
             if key in self._seen:
                 return
-            if self.allocated + size > self.limit_bytes:
-                in_use = self.allocated
-                raise torch.OutOfMemoryError(
-                    f"{self.device_name} out of memory (emulated budget). Tried to allocate {_fmt(size)}. "
-                    f"Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of which "
-                    f"{_fmt(self.limit_bytes - in_use)} is free. {_fmt(in_use)} is allocated by live tensors. "
-                    "Reduce the micro-batch, accumulate gradients, use bf16 autocast or activation "
-                    "checkpointing; see labkit.memory."
-                )
-            self._seen[key] = size
-            self.allocated += size
-            self.peak = max(self.peak, self.allocated)
+            self._busy = True
+            try:
+                if self.allocator is not None:
+                    self._handles[key] = self.allocator.malloc(size)  # its OOM is the budget's
+                elif self.allocated + size > self.limit_bytes:
+                    in_use = self.allocated
+                    raise torch.OutOfMemoryError(
+                        f"{self.device_name} out of memory (emulated budget). Tried to allocate {_fmt(size)}. "
+                        f"Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of which "
+                        f"{_fmt(self.limit_bytes - in_use)} is free. {_fmt(in_use)} is allocated by live tensors. "
+                        "Reduce the micro-batch, accumulate gradients, use bf16 autocast or activation "
+                        "checkpointing; see labkit.memory."
+                    )
+                self._seen[key] = size
+                self.allocated += size
+                self.peak = max(self.peak, self.allocated)
+            finally:
+                self._drain()
         weakref.finalize(storage, self._release, key, size)
 
     def _release(self, key: int, size: int) -> None:
         with self._lock:
-            if self._seen.get(key) == size:
-                del self._seen[key]
-                self.allocated -= size
+            self._pending.append((key, size))
+            if not self._busy:  # else this thread is inside _count or _drain, which drains the queue
+                self._busy = True
+                self._drain()
+
+    def _drain(self) -> None:
+        """Apply the queued releases; called holding the lock with `_busy` set, which it clears."""
+        try:
+            while self._pending:
+                key, size = self._pending.pop()
+                if self._seen.get(key) == size:
+                    del self._seen[key]
+                    self.allocated -= size
+                    if self.allocator is not None:
+                        self.allocator.free(self._handles.pop(key))
+        finally:
+            self._busy = False
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the allocator holds (`memory_reserved`); `allocated` without an allocator."""
+        return self.allocator.reserved if self.allocator is not None else self.allocated
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.allocator.peak_reserved if self.allocator is not None else self.peak
 
     def track(self, *objs: Any) -> None:
         """Count tensors, modules (parameters and buffers) or optimizers made before the mode."""
@@ -97,8 +151,11 @@ class MemoryBudget(compat.TorchDispatchMode):
                 self._count(obj)
 
     def reset_peak(self) -> None:
+        """Peaks (of live bytes, and of the allocator's) back to the current values."""
         with self._lock:
             self.peak = self.allocated
+            if self.allocator is not None:
+                self.allocator.reset_peak()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
