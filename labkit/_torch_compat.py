@@ -42,6 +42,7 @@ __all__ = [
     "problems",
     "process_groups",
     "removing_module_grad_hooks",
+    "set_cuda_allocator_settings",
     "reduce_scatter_base",
     "step_mem_tracker",
     "tree_leaves",
@@ -101,6 +102,8 @@ INTERNALS: tuple[Internal, ...] = (
              "emulate: all_gather_into_tensor on the wrapped gloo group"),
     Internal("torch.distributed", "ProcessGroupGloo._reduce_scatter_base",
              "emulate: reduce_scatter_tensor on the wrapped gloo group"),
+    Internal("torch.cuda.memory", "_set_allocator_settings",
+             "experiments.fragmentation: PYTORCH_CUDA_ALLOC_CONF options after CUDA has started", ("env",)),
     *(
         Internal("torch.distributed", f"ProcessGroup.{name}", f"emulate: EmulatedProcessGroup overrides {name}")
         for name in ("_allgather_base", "_reduce_scatter_base", "_set_group_name", "_get_backend")
@@ -258,3 +261,12 @@ def allgather_base(pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Ten
 def reduce_scatter_base(pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
     """`pg`'s reduce-scatter from one tensor (what `dist.reduce_scatter_tensor` calls)."""
     return pg._reduce_scatter_base(output, input, opts)
+
+
+def set_cuda_allocator_settings(settings: str) -> None:
+    """Apply PYTORCH_CUDA_ALLOC_CONF options (e.g. "expandable_segments:True") in a running process.
+
+    The environment variable is read once, when CUDA's allocator starts; this changes the options
+    later, for segments created from then on (torch/cuda/memory.py, `_set_allocator_settings`).
+    """
+    torch.cuda.memory._set_allocator_settings(settings)

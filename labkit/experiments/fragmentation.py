@@ -1,0 +1,138 @@
+"""Lab 02's fragmentation section: an out-of-memory error while enough memory is free in total.
+
+`fragment(limit_mib, fix=...)` replays, with real tensors, an allocation pattern that leaves the
+caching allocator's free memory in holes too small for the next request:
+
+1. a large temporary (e.g. a long sequence's logits) is allocated and freed: its segment stays
+   cached, as the caching allocator keeps freed blocks for reuse (PyTorch docs, CUDA semantics,
+   "Memory management");
+2. smaller tensors are carved out of that cached block (best fit, split), and every other one is
+   freed: free bytes in total are plenty, but in separate holes between live blocks;
+3. a request larger than any hole needs a new segment, which the limit cannot hold, and no cached
+   segment is entirely free to give back: `torch.OutOfMemoryError`.
+
+On a GPU it runs on CUDA's allocator, capped at `limit_mib` above what the process already holds
+(`set_per_process_memory_fraction`); on the CPU, inside a `MemoryBudget` with the allocator model of
+`labkit.emulate.allocator`. The fixes are the allocator options of PYTORCH_CUDA_ALLOC_CONF
+(`expandable_segments:True`, `max_split_size_mb`); `empty_cache()` is shown not to help. Each run returns the allocator's numbers and its segments.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from labkit import _torch_compat as compat
+from labkit import runtime, validate
+from labkit.emulate import CachingAllocator, MemoryBudget
+
+__all__ = ["FIXES", "fragment"]
+
+MiB = 2**20
+# fix -> what it changes (PYTORCH_CUDA_ALLOC_CONF options from the PyTorch docs, "Optimizing memory usage
+# with PYTORCH_CUDA_ALLOC_CONF").
+FIXES = {
+    None: "the pattern as written",
+    "empty_cache": "torch.cuda.empty_cache() before the large request",
+    "expandable_segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    "max_split_size": "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:100 (large cached blocks are not split)",
+}
+# The pattern, in MiB: one temporary of TEMP, PIECES tensors of PIECE (every other one freed), then REQUEST.
+TEMP, PIECE, PIECES, REQUEST = 160, 20, 8, 40
+
+
+def _tensor(mib: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(mib * MiB // 4, dtype=torch.float32, device=device)
+
+
+def _pattern(fix: str | None, device: torch.device, empty_cache) -> tuple[list[torch.Tensor], str | None]:
+    """Run the allocations; return the tensors still alive and the OOM message (None if it fit)."""
+    kept: list[torch.Tensor] = []
+    try:
+        temp = _tensor(TEMP, device)
+        del temp  # cached, not returned
+        pieces = [_tensor(PIECE, device) for _ in range(PIECES)]  # carved out of the cached block
+        kept = pieces[1::2]
+        del pieces  # every other piece is freed: holes of PIECE MiB between live ones
+        gc.collect()
+        if fix == "empty_cache":
+            empty_cache()
+        kept.append(_tensor(REQUEST, device))
+        return kept, None
+    except torch.OutOfMemoryError as err:
+        return kept, str(err)
+
+
+def _cuda_segments() -> list[dict[str, Any]]:
+    """`torch.cuda.memory_snapshot()` in the shape of `CachingAllocator.segments()`."""
+    out = []
+    for seg in torch.cuda.memory_snapshot():
+        offset, blocks = 0, []
+        for b in seg["blocks"]:
+            blocks.append((offset, b["size"], b["state"] == "active_allocated"))
+            offset += b["size"]
+        out.append({"address": seg["address"], "pool": seg.get("segment_type", "large"),
+                    "expandable": bool(seg.get("is_expandable", False)), "size": seg["total_size"],
+                    "blocks": blocks})
+    return out
+
+
+def _stats(allocated: int, reserved: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
+    free_blocks = [n for s in segments for _, n, used in s["blocks"] if not used]
+    return {"allocated_mib": allocated / MiB, "reserved_mib": reserved / MiB,
+            "free_cached_mib": (reserved - allocated) / MiB,
+            "largest_free_block_mib": max(free_blocks, default=0) / MiB, "segments": segments}
+
+
+def _on_cpu(limit_mib: int, fix: str | None) -> dict[str, Any]:
+    allocator = CachingAllocator(limit_mib * MiB, expandable_segments=fix == "expandable_segments",
+                                 max_split_size=100 * MiB if fix == "max_split_size" else None,
+                                 device="the emulated GPU")
+    with MemoryBudget(limit_mib * MiB, allocator=allocator):
+        kept, oom = _pattern(fix, torch.device("cpu"), allocator.empty_cache)
+        result = _stats(allocator.allocated, allocator.reserved, allocator.segments())
+        del kept
+    return {**result, "oom": oom, "measured_by": "labkit's model of the caching allocator (emulated)"}
+
+
+def _on_gpu(limit_mib: int, fix: str | None, device: torch.device) -> dict[str, Any]:
+    settings = {"expandable_segments": "expandable_segments:True", "max_split_size": "max_split_size_mb:100"}
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)  # what this process already holds (cuBLAS workspaces, ...)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if fix in settings:
+        compat.set_cuda_allocator_settings(settings[fix])
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + limit_mib * MiB) / total), device)
+    try:
+        kept, oom = _pattern(fix, device, torch.cuda.empty_cache)
+        segments = [s for s in _cuda_segments() if s["pool"] == "large"]
+        result = _stats(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device) - base, segments)
+        del kept
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        if fix in settings:
+            # back to the defaults; max_split_size has no "unlimited" word: the largest value is (c10's
+            # parseMaxSplitSize clamps to SIZE_MAX / MiB)
+            compat.set_cuda_allocator_settings("max_split_size_mb:17592186044415" if fix == "max_split_size"
+                                               else "expandable_segments:False")
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {**result, "oom": oom, "measured_by": "torch.cuda (the real caching allocator)"}
+
+
+def fragment(limit_mib: int = 180, fix: str | None = None, *, device: torch.device | str | None = None) -> dict[str, Any]:
+    """Run the fragmenting pattern under `limit_mib` of memory, with one of `FIXES`.
+
+    Returns {"oom": the error message or None, "allocated_mib", "reserved_mib", "free_cached_mib",
+    "largest_free_block_mib" (after the pattern, or at the failure), "segments" (per segment: size
+    and blocks as (offset, size, allocated)), "fix", "what" (the fix in words), "measured_by"}.
+    At the default 180 MiB the pattern as written fails with 80 MiB free in 20 MiB holes.
+    """
+    validate.one_of("fragment fix", fix, tuple(FIXES), 'fragment(180, fix="expandable_segments")')
+    validate.positive_int("fragment limit_mib", limit_mib, "fragment(180)")
+    dev = torch.device(device) if device is not None else runtime.device()
+    result = _on_gpu(limit_mib, fix, dev) if dev.type == "cuda" else _on_cpu(limit_mib, fix)
+    return {**result, "fix": fix, "what": FIXES[fix]}
