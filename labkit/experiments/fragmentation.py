@@ -34,10 +34,10 @@ MiB = 2**20
 # fix -> what it changes (PYTORCH_CUDA_ALLOC_CONF options from the PyTorch docs, "Optimizing memory usage
 # with PYTORCH_CUDA_ALLOC_CONF").
 FIXES = {
-    None: "the pattern as written",
-    "empty_cache": "torch.cuda.empty_cache() before the large request",
-    "expandable_segments": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-    "max_split_size": "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:100 (large cached blocks are not split)",
+    None: "as written",
+    "empty_cache": "torch.cuda.empty_cache() first",
+    "expandable_segments": "expandable_segments:True",
+    "max_split_size": "max_split_size_mb:100",
 }
 # The pattern, in MiB: one temporary of TEMP, PIECES tensors of PIECE (every other one freed), then REQUEST.
 TEMP, PIECE, PIECES, REQUEST = 160, 20, 8, 40
