@@ -20,14 +20,7 @@ from labkit.models import GPT, GPTConfig, synthetic_batch
 GB = 1e9  # the ZeRO paper's unit
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The models here are tiny: with 2 threads on a busy 2-core runner, thread hand-offs
-    # cost more than the math. Byte counts do not depend on the thread count.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------- bytes per parameter
@@ -425,7 +418,7 @@ def test_reference_gradients_equal_accumulated_micro_batches() -> None:
 
 
 def test_dp_train_needs_a_rank() -> None:
-    with pytest.raises(ValueError, match="labkit.launcher"):
+    with pytest.raises(ValueError, match="labkit.launch"):
         dp_train(SMALL, 8, 4)
 
 

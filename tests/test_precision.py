@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from labkit.experiments.precision import VARIANTS, compare_precisions, forced_overflow
 from labkit.models import GPTConfig
@@ -18,13 +17,7 @@ BF16_TOL = 5e-2
 FP16_TOL = 1e-2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: thread hand-offs cost more than the math on a busy 2-core runner.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,16 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module: its models are tiny, and on a busy 2-core runner thread
+    hand-offs cost more than the math. Byte counts and numerics do not depend on the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
