@@ -122,6 +122,16 @@ def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
         raise TypeError(f"launch(fn=...) needs a function, got {type(fn).__name__}: {fn!r}")
     validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
     validate.positive_number("timeout_s", timeout_s, "launch(fn, timeout_s=30), in seconds")
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and getattr(sys.modules["__main__"].__spec__, "name", None) is None \
+            and not os.path.isfile(main_file):
+        # multiprocessing makes each worker run the main script again from its path; a script
+        # read from standard input has none, and every rank would die before it starts.
+        raise RuntimeError(
+            f"labkit.launch cannot start ranks from a script without a file (__main__ is {main_file!r}, e.g. "
+            "`python3 - <<EOF`): save the script to a file and run that, or use a notebook, `python3 -c` "
+            "or an interactive session."
+        )
     if getattr(mp.current_process(), "_inheriting", False):
         # multiprocessing runs a script's top level again in every worker it starts; a launch
         # there would start workers from inside a worker. Say so instead of a pile of tracebacks.

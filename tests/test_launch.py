@@ -276,6 +276,16 @@ def test_script_without_main_guard_gets_told_how_to_fix_it(tmp_path):
     assert "RankError: rank" in proc.stderr
 
 
+def test_a_script_read_from_stdin_is_told_to_use_a_file():
+    # multiprocessing would make every rank run "<stdin>" again from a path that does not exist.
+    code = "import labkit\nprint(labkit.launch(abs, 1, world_size=2, cluster='cpu'))\n"
+    proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode != 0
+    assert "save the script to a file" in proc.stderr and "<stdin>" in proc.stderr
+    assert "FileNotFoundError" not in proc.stderr
+
+
 def test_workers_die_when_the_parent_is_killed(tmp_path):
     base = str(tmp_path / "pid")
     script = textwrap.dedent(
