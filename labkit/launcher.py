@@ -40,6 +40,7 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import shutil
 import signal
 import sys
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
+import torch
 import torch.distributed as dist
 
 from labkit import emulate, runtime, validate, worker
@@ -215,10 +217,29 @@ def _error_for(first: _Outcome, records: dict[int, dict], world_size: int, other
         )
     if info is None:
         return RankError(header + tail, rank=first.rank, kind="died")
-    msg = f"{header}\n\n--- traceback from rank {first.rank} ---\n{trace.rstrip()}"
+    where = _your_frame(trace)
+    msg = header + (f"\n  where: {where}" if where else "")
     return RankError(
-        msg + tail, rank=first.rank, kind="raised", exc_type=info["type"], remote_traceback=trace
+        f"{msg}{tail}\n(the rank's whole traceback is in this error's .remote_traceback)",
+        rank=first.rank, kind="raised", exc_type=info["type"], remote_traceback=trace,
     )
+
+
+_NOT_YOURS = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent),
+              str(Path(os.__file__).resolve().parent), "site-packages", "<frozen")
+_FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+
+
+def _your_frame(trace: str) -> str | None:
+    """The innermost frame of a rank's traceback in the caller's code (not labkit, torch or Python's
+    own), with its source line when the rank could read it: where a learner looks first."""
+    lines, found = trace.splitlines(), None
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line)
+        if m and not any(part in m["path"] for part in _NOT_YOURS):
+            code = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith("    ") else ""
+            found = f'{m["path"]}, line {m["line"]}, in {m["func"]}' + (f": {code}" if code else "")
+    return found
 
 
 def _print_logs(run_dir: Path, world_size: int, stream) -> None:

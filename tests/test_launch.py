@@ -200,7 +200,11 @@ def test_rank_that_raises_is_named_with_type_message_and_traceback():
     assert err.rank == 1 and err.kind == "raised" and err.exc_type == "ValueError"
     assert isinstance(err.__cause__, ValueError)
     assert "rank 1 raised ValueError: bad value on purpose" in str(err)
-    assert "_raise_on_rank1" in str(err)  # the remote traceback
+    # one short message with the caller's own line; the whole traceback stays on the error
+    assert 'test_launch.py", line' not in str(err) and "where: " in str(err)
+    assert "test_launch.py, line 35, in _raise_on_rank1: raise ValueError(" in str(err)
+    assert "labkit/worker.py" not in str(err) and "labkit/worker.py" in err.remote_traceback
+    assert len(str(err).splitlines()) <= 4
     raised_at = float(str(err.__cause__).split(" at ")[1])
     assert raised_at > t0
     assert caught - raised_at < 2.0, "the other rank is stopped within 2 s of the raise"
