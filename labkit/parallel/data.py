@@ -252,7 +252,26 @@ class OverlappedDDP(nn.Module):
         self._after_launch(bucket, t0)
 
     def _after_launch(self, bucket: _Bucket, start_ns: int) -> None:
-        """Bookkeeping, not part of the algorithm: count the collective, log it for traces."""
+        """Bookkeeping, not part of the algorithm: count the collective, log it for traces.
+
+        It also checks what a `_flush` written by hand gets wrong, here where it happens rather
+        than deep inside the trace or the next step: the work missing, a bucket flushed twice or
+        out of index order (collectives are matched across ranks by the order they are issued).
+        """
+        if not hasattr(bucket.work, "wait"):
+            raise TypeError(
+                f"bucket.work is {bucket.work!r} after flushing bucket {bucket.index}: start the all-reduce "
+                "with async_op=True and keep what it returns in bucket.work (a synchronous dist.all_reduce "
+                "returns None and waits, so nothing overlaps)")
+        if bucket.index < self._launched:
+            raise RuntimeError(
+                f"bucket {bucket.index} was flushed again in this step: flush each bucket once, and advance "
+                "self._next_bucket after each flush")
+        if bucket.index != self._launched:
+            raise RuntimeError(
+                f"bucket {bucket.index} was flushed before bucket {self._launched}: launch buckets strictly in "
+                "index order (from self.buckets[self._next_bucket] on, while each is complete), never in the "
+                "order they fill up; a different order on another rank would pair different buckets")
         name = f"all_reduce bucket{bucket.index}"
         bucket.logged = self.comm_log.track(bucket.work, name, bucket.nbytes, start_ns=start_ns)
         self._launched += 1

@@ -1,0 +1,94 @@
+"""Mutation tests: plausible wrong answers to each exercise fail at its check, in bounded time, with the hint
+that names the mistake (issue: exercise checks). Each wrong answer replaces the solution block of the solution
+notebook's exercise cell; the notebook is cut to the cells the check needs (parameters, imports, the exercise,
+its check) and run with papermill on the emulated cluster."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+
+from test_labs import _env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _kernel_finds_labkit(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+
+# lab, the exercise cell's marker, the check cell's marker, and per mistake: the answer and the hint's words
+SUM = ("00_cluster_tour", "def sum_over_ranks", "check_sum_over_ranks(results")
+DDP_HOOK = ("03_unoverlapped_comms", "class MyOverlappedDDP", "check_overlapped_ddp(drill")
+
+MISTAKES = {
+    "all_reduce result assigned": (SUM, {"dist.all_reduce(t)": "t = dist.all_reduce(t)"},
+                                   "returns None"),
+    "sum divided by world size": (SUM, {"dist.all_reduce(t)": "dist.all_reduce(t)\n    t /= dist.get_world_size()"},
+                                  "do not divide"),
+    "no all_reduce": (SUM, {"dist.all_reduce(t)": "pass"}, "still holds its own value"),
+    "buckets flushed as they complete": (DDP_HOOK, {
+        "        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:\n"
+        "            self._flush(self.buckets[self._next_bucket])\n"
+        "            self._next_bucket += 1":
+        "        if bucket.pending == 0:\n            self._flush(bucket)\n            self._next_bucket += 1"},
+        "in index order"),
+    "next bucket never advanced": (DDP_HOOK, {"            self._next_bucket += 1\n": ""}, "flushed again"),
+    "async_op forgotten": (DDP_HOOK, {", async_op=True)": ")"}, "async_op=True"),
+    "divided in the flush": (DDP_HOOK, {"        self._after_launch(bucket, t0)":
+                                        "        self._after_launch(bucket, t0)\n"
+                                        "        bucket.work.wait()\n"
+                                        "        bucket.buffer.div_(dist.get_world_size())"},
+                             "divided by the world size twice"),
+    "the base class called": (DDP_HOOK, {
+        "        bucket = self._bucket_of[id(param)]\n": "        super()._on_grad_ready(param)\n        return\n"},
+        "yours to write"),
+}
+
+
+def _mutated(lab: str, exercise: str, check: str, edits: dict[str, str]) -> nbformat.NotebookNode:
+    nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    keep = code[:2] + [c for c in code if exercise in c.source or check in c.source]
+    (cell,) = [c for c in keep if exercise in c.source]
+    # the solution blocks of the cell (### BEGIN SOLUTION ... ### END SOLUTION) take the edits
+    parts = cell.source.split("### END SOLUTION")
+    for old, new in edits.items():
+        hits = [i for i, part in enumerate(parts) if old in part.split("### BEGIN SOLUTION")[-1]]
+        assert hits, f"the mutation's text {old!r} is not in a solution block of {lab}"
+        head, _, block = parts[hits[0]].rpartition("### BEGIN SOLUTION")
+        parts[hits[0]] = head + "### BEGIN SOLUTION" + block.replace(old, new)
+    cell.source = "### END SOLUTION".join(parts)
+    nb.cells = keep
+    return nb
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_a_plausible_mistake_fails_at_its_check_with_its_hint(name, tmp_path):
+    (lab, exercise, check), edits, hint = MISTAKES[name]
+    path = tmp_path / f"{lab}.ipynb"
+    nbformat.write(_mutated(lab, exercise, check, edits), path)
+    t0 = time.time()
+    with pytest.raises(papermill.PapermillExecutionError) as info:
+        papermill.execute_notebook(str(path), str(tmp_path / "out.ipynb"), parameters={"cluster": "cpu"},
+                                   cwd=str(tmp_path), kernel_name="python3", progress_bar=False,
+                                   execution_timeout=120)
+    took = time.time() - t0
+    err = info.value
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    (failed,) = [c for c in out.cells if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert check in failed.source, f"{name}: failed before its check"
+    assert hint in str(err.evalue), f"{name}: the hint does not name the mistake: {err.evalue}"
+    assert took < 60, f"{name}: took {took:.0f} s to fail"
+
+
+@pytest.mark.parametrize("lab,exercise,check", [SUM, DDP_HOOK])
+def test_the_right_answer_passes_the_cut_notebook(lab, exercise, check, tmp_path):
+    path = tmp_path / f"{lab}.ipynb"
+    nbformat.write(_mutated(lab, exercise, check, {}), path)
+    papermill.execute_notebook(str(path), str(tmp_path / "out.ipynb"), parameters={"cluster": "cpu"},
+                               cwd=str(tmp_path), kernel_name="python3", progress_bar=False, execution_timeout=120)
