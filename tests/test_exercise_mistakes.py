@@ -23,6 +23,7 @@ def _kernel_finds_labkit(monkeypatch):
 
 # lab, the exercise cell's marker, the check cell's marker, and per mistake: the answer and the hint's words
 SUM = ("00_cluster_tour", "def sum_over_ranks", "check_sum_over_ranks(results")
+ACCUMULATE = ("02_oom_batch", "def accumulate(ddp, batches)", "check_accumulation(fixed")
 DDP_HOOK = ("03_unoverlapped_comms", "class MyOverlappedDDP", "check_overlapped_ddp(drill")
 
 MISTAKES = {
@@ -31,6 +32,16 @@ MISTAKES = {
     "sum divided by world size": (SUM, {"dist.all_reduce(t)": "dist.all_reduce(t)\n    t /= dist.get_world_size()"},
                                   "do not divide"),
     "no all_reduce": (SUM, {"dist.all_reduce(t)": "pass"}, "still holds its own value"),
+    "forward outside no_sync": (ACCUMULATE, {
+        "        with ddp.no_sync():\n            (ddp(x, y) / n).backward()":
+        "        loss = ddp(x, y) / n\n        with ddp.no_sync():\n            loss.backward()"},
+        "its forward as well as its backward"),
+    "no_sync on every micro-step": (ACCUMULATE, {
+        "    x, y = batches[-1]\n    (ddp(x, y) / n).backward()":
+        "    x, y = batches[-1]\n    with ddp.no_sync():\n        (ddp(x, y) / n).backward()"},
+        "Run the last micro-batch outside"),
+    "last micro-batch forgotten": (ACCUMULATE, {"    x, y = batches[-1]\n    (ddp(x, y) / n).backward()": ""},
+                                   "7 forward passes for 8 micro-batches"),
     "buckets flushed as they complete": (DDP_HOOK, {
         "        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:\n"
         "            self._flush(self.buckets[self._next_bucket])\n"
@@ -81,12 +92,13 @@ def test_a_plausible_mistake_fails_at_its_check_with_its_hint(name, tmp_path):
     err = info.value
     out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     (failed,) = [c for c in out.cells if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
-    assert check in failed.source, f"{name}: failed before its check"
+    # the check cell, or the exercise cell itself when the ranks catch the mistake while it runs
+    assert check in failed.source or exercise in failed.source, f"{name}: failed before its exercise"
     assert hint in str(err.evalue), f"{name}: the hint does not name the mistake: {err.evalue}"
     assert took < 60, f"{name}: took {took:.0f} s to fail"
 
 
-@pytest.mark.parametrize("lab,exercise,check", [SUM, DDP_HOOK])
+@pytest.mark.parametrize("lab,exercise,check", [SUM, ACCUMULATE, DDP_HOOK])
 def test_the_right_answer_passes_the_cut_notebook(lab, exercise, check, tmp_path):
     path = tmp_path / f"{lab}.ipynb"
     nbformat.write(_mutated(lab, exercise, check, {}), path)
