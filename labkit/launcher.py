@@ -259,16 +259,21 @@ def launch(
     world_size: int = 2,
     cluster: Cluster | str = "auto",
     timeout_s: float = 30.0,
+    deadline_s: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results in rank order.
 
     `cluster`: "auto" (NCCL if this machine has enough GPUs, else emulated), "cpu", "gpu",
-    or a `labkit.Cluster`. `timeout_s` bounds every collective and the rendezvous.
+    or a `labkit.Cluster`. `timeout_s` bounds every collective and the rendezvous;
+    `deadline_s` (None: none) bounds the whole run, so that a rank stuck outside any
+    collective (a loop that never ends) is stopped and named too.
     Raises `RankError` when a rank raises, dies or hangs; bad arguments raise before any
     process starts.
     """
     _validate(fn, world_size, timeout_s)
+    if deadline_s is not None:
+        validate.positive_number("deadline_s", deadline_s, "launch(fn, deadline_s=60), in seconds, or None")
     if _under_torchrun():
         return _run_under_torchrun(fn, args, kwargs, world_size, float(timeout_s))
     resolved = Cluster.resolve(cluster, world_size)
@@ -308,7 +313,8 @@ def launch(
     try:
         for p in procs:
             p.start()
-        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s))
+        deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
+        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s), deadline)
     except BaseException:
         _stop(procs, grace_s=0.5)
         raise
@@ -323,8 +329,10 @@ def launch(
     return outcomes
 
 
-def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) -> list[Any]:
+def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float,
+               deadline: float | None = None) -> list[Any]:
     outcomes: dict[int, _Outcome] = {}
+    started = time.monotonic()
     first_end: float | None = None
     by_sentinel = {p.sentinel: r for r, p in enumerate(procs)}
     while len(outcomes) < world_size:
@@ -363,6 +371,16 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float) ->
                 with contextlib.suppress(Exception):
                     original = cloudpickle.loads(first.info["exception"])
             raise err from original
+        if deadline is not None and time.monotonic() > deadline:
+            alive = [r for r in range(world_size) if r not in outcomes]
+            running = [r for r in alive if not (run_dir / f"rank{r}.result").exists()] or alive
+            _stop([procs[r] for r in alive], grace_s=0.2)
+            diag = diagnose_hang(emulate.read_records(run_dir, world_size), world_size)
+            raise RankError(
+                f"the run did not finish within its deadline of {deadline - started:.0f} s (deadline_s): rank(s) "
+                f"{running} were still running and were stopped"
+                + (f".\n{diag[0]}" if diag else ", outside any collective: look for a loop that never ends."),
+                rank=running[0], kind="hung")
         if first_end is not None and time.monotonic() - first_end > timeout_s + _GRACE_S:
             # Some ranks returned long ago; the rest are stuck where gloo's timeout did not fire.
             alive = [r for r in range(world_size) if r not in outcomes]

@@ -280,6 +280,21 @@ def test_script_without_main_guard_gets_told_how_to_fix_it(tmp_path):
     assert "RankError: rank" in proc.stderr
 
 
+def _spin_forever() -> None:
+    while True:  # a livelock: no collective, so no collective timeout can end it
+        pass
+
+
+def test_a_deadline_ends_a_run_stuck_outside_any_collective():
+    t0 = time.time()
+    with pytest.raises(RankError, match="deadline") as info:
+        launch(_spin_forever, world_size=2, cluster=CPU, timeout_s=60, deadline_s=3)
+    assert time.time() - t0 < 10
+    assert info.value.kind == "hung" and "a loop that never ends" in str(info.value)
+    with pytest.raises(ValueError, match="deadline_s"):
+        launch(_spin_forever, world_size=2, cluster=CPU, deadline_s=0)
+
+
 def test_a_script_read_from_stdin_is_told_to_use_a_file():
     # multiprocessing would make every rank run "<stdin>" again from a path that does not exist.
     code = "import labkit\nprint(labkit.launch(abs, 1, world_size=2, cluster='cpu'))\n"
