@@ -6,7 +6,9 @@
 * `bubble_fraction(stages, micro_batches, schedule, chunks)`: the idle fraction of an ideal
   pipeline step, and `pipeline_step_time` / `ideal_step_time` for measured stage costs;
 * `micro_batches_for_bubble` and `in_flight`: how many micro-batches a bubble target needs and how
-  many each schedule keeps alive at once (what activation memory bounds).
+  many each schedule keeps alive at once (what activation memory bounds);
+* `profile_layers(model, x, y)`: the measured forward + backward cost and saved activation bytes
+  of each layer of a `labkit.models.GPT`, embedding and head included: the costs `balance` splits.
 
 Formulas: Huang et al. 2019 (GPipe) and Narayanan et al. 2021 (*Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM*, section 2.2), whose bubble *overhead*
@@ -18,18 +20,26 @@ what these predict with `torch.distributed.pipelining`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
 
 from labkit import validate
 
 __all__ = [
     "SCHEDULES",
+    "LayerProfile",
     "balance",
     "bubble_fraction",
     "ideal_step_time",
     "in_flight",
     "micro_batches_for_bubble",
     "pipeline_step_time",
+    "profile_layers",
     "split_evenly",
     "stage_costs",
 ]
@@ -158,3 +168,84 @@ def in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) ->
     if not 0 <= stage < stages:
         raise ValueError(f"stage={stage} must be between 0 and stages - 1 = {stages - 1}")
     return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer's measured cost per micro-batch, and what autograd saves for its backward."""
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    activation_bytes: int
+
+    @property
+    def ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+def _timer(device: torch.device) -> Callable[[], float]:
+    """Seconds of compute: this thread's CPU time on the CPU (what the emulated cluster's virtual clock
+    counts), wall time after a device synchronisation on a GPU (kernels run asynchronously)."""
+    if device.type == "cuda":
+        return lambda: (torch.cuda.synchronize(device), time.perf_counter())[1]
+    return time.thread_time
+
+
+def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run fn and count the bytes of the tensors autograd saves for backward (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def profile_layers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 3) -> list[LayerProfile]:
+    """Forward and backward cost (median of `repeats`) and saved activations of each layer of a GPT:
+    "embedding" (token + position), "block i", and "head" (final norm, LM head and the loss).
+
+    Each layer runs on its own, on the output of the layers before it, so one layer's time is not
+    blurred by its neighbours; with a large vocabulary the head (and the embedding's gradient) weigh
+    as much as several blocks, which a split by layer count ignores.
+    """
+    validate.positive_int("repeats", repeats, "profile_layers(model, x, y, repeats=3)")
+    for name in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head"):
+        if not hasattr(model, name):
+            raise TypeError(f"profile_layers needs a labkit.models.GPT (no .{name} on {type(model).__name__})")
+    clock = _timer(x.device)
+    pos = torch.arange(x.shape[1], device=x.device)
+
+    def embedding(_: torch.Tensor | None) -> torch.Tensor:
+        return model.tok_emb(x) + model.pos_emb(pos)
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        logits = model.lm_head(model.ln_f(h))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
+
+    layers: list[tuple[str, Callable]] = [("embedding", embedding)]
+    layers += [(f"block {i}", block) for i, block in enumerate(model.blocks)]
+    layers.append(("head", head))
+    out, h = [], None
+    for name, layer in layers:
+        inp = None if h is None else h.detach().requires_grad_(True)
+        fwd, bwd, saved = [], [], 0
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            t0 = clock()
+            result, saved = _saved_bytes(lambda: layer(inp))
+            t1 = clock()
+            result.backward(torch.ones_like(result))
+            t2 = clock()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        out.append(LayerProfile(name, statistics.median(fwd) * 1e3, statistics.median(bwd) * 1e3, saved))
+        h = result.detach()
+    model.zero_grad(set_to_none=True)
+    return out

@@ -95,3 +95,22 @@ def test_micro_batches_for_a_bubble_target():
     assert m % 4 == 0 and bubble_fraction(4, m, "interleaved_1f1b", 2) <= 0.1
     with pytest.raises(ValueError, match="max_bubble"):
         micro_batches_for_bubble(4, 1.5)
+
+
+def test_profile_layers_measures_every_layer_embedding_and_head_included():
+    import torch
+
+    from labkit.models import GPT, GPTConfig, synthetic_batch
+    from labkit.pipeline import profile_layers
+
+    config = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=4096, seq_len=16)  # a large vocabulary
+    model = GPT(config)
+    x, y = synthetic_batch(config, 4)
+    prof = profile_layers(model, x, y, repeats=2)
+    assert [p.name for p in prof] == ["embedding", "block 0", "block 1", "head"]
+    assert all(p.forward_ms >= 0 and p.backward_ms >= 0 and p.ms == p.forward_ms + p.backward_ms for p in prof)
+    logits_bytes = 4 * 16 * 4096 * 4  # batch x seq x vocab fp32: saved for the loss's backward
+    assert prof[-1].activation_bytes >= logits_bytes > prof[1].activation_bytes
+    assert all(p.grad is None for p in model.parameters())  # leaves the model as it found it
+    with pytest.raises(TypeError, match="labkit.models.GPT"):
+        profile_layers(torch.nn.Linear(2, 2), x, y)
