@@ -86,7 +86,7 @@ def test_summary_counts_collectives_and_matches_single_process(all_modes):
         own = [max(step) for step in zip(*per_rank)]
         assert row["compute_ms"] == statistics.median(own) and 0 < row["compute_ms"] <= row["ms"]
     assert s["compute"]["compute_ms"] == pytest.approx(s["compute"]["ms"])  # no collective: nothing waited
-    assert s["comm_naive"]["compute_ms"] < s["comm_naive"]["ms"] / 2  # communication alone: mostly waiting
+    assert s["comm_naive"]["compute_ms"] < s["comm_naive"]["ms"]  # communication alone waited for its collectives
     summary = all_modes[0]["modes"]["overlapped"]["bucket_summary"]
     assert len(summary) == buckets and summary[0]["names"][0] == "lm_head.weight"
 
