@@ -73,13 +73,14 @@ def drive_hooks_shuffled(ddp_class: type, bucket_cap_mb: float = 0.002, seed: in
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.full_like(p, float(dist.get_rank() + 1))
+    values: list[float] = []  # stays empty when a flush came out of order
     try:
         for p in random.Random(seed).sample(params, len(params)):
             ddp._on_grad_ready(p)
         ddp.finish_gradient_synchronization()
+        values = sorted({round(v, 6) for p in params for v in p.grad.unique().tolist()})
     except _OutOfOrder:
-        return {"flushed": flushed, "buckets": len(ddp.buckets), "values": [], "rank": dist.get_rank()}
-    values = sorted({round(v, 6) for p in params for v in p.grad.unique().tolist()})
+        pass
     return {"flushed": flushed, "buckets": len(ddp.buckets), "values": values, "rank": dist.get_rank()}
 
 

@@ -14,7 +14,8 @@ caching allocator's free memory in holes too small for the next request:
 On a GPU it runs on CUDA's allocator, capped at `limit_mib` above what the process already holds
 (`set_per_process_memory_fraction`); on the CPU, inside a `MemoryBudget` with the allocator model of
 `labkit.emulate.allocator`. The fixes are the allocator options of PYTORCH_CUDA_ALLOC_CONF
-(`expandable_segments:True`, `max_split_size_mb`); `empty_cache()` is shown not to help. Each run returns the allocator's numbers and its segments.
+(`expandable_segments:True`, `max_split_size_mb`); `empty_cache()` is shown not to help. Each run
+returns the allocator's numbers (net of what the process held before) and its segments.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _on_gpu(limit_mib: int, fix: str | None, device: torch.device) -> dict[str, 
     settings = {"expandable_segments": "expandable_segments:True", "max_split_size": "max_split_size_mb:100"}
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved(device)  # what this process already holds (cuBLAS workspaces, ...)
+    # what this process already holds (cuBLAS workspaces, earlier cells' tensors): not the pattern's
+    base, base_allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
     total = torch.cuda.get_device_properties(device).total_memory
     if fix in settings:
         compat.set_cuda_allocator_settings(settings[fix])
@@ -109,7 +111,8 @@ def _on_gpu(limit_mib: int, fix: str | None, device: torch.device) -> dict[str, 
     try:
         kept, oom = _pattern(fix, device, torch.cuda.empty_cache)
         segments = [s for s in _cuda_segments() if s["pool"] == "large"]
-        result = _stats(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device) - base, segments)
+        result = _stats(torch.cuda.memory_allocated(device) - base_allocated,
+                        torch.cuda.memory_reserved(device) - base, segments)
         del kept
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
