@@ -6,7 +6,8 @@
 * `bubble_fraction(stages, micro_batches, schedule, chunks)`: the idle fraction of an ideal
   pipeline step, and `pipeline_step_time` / `ideal_step_time` for measured stage costs;
 * `micro_batches_for_bubble` and `in_flight`: how many micro-batches a bubble target needs and how
-  many each schedule keeps alive at once (what activation memory bounds);
+  many each schedule keeps alive at once (what activation memory bounds); `choose_micro_batches`
+  puts the two together for a batch;
 * `profile_layers(model, x, y)`: the measured forward + backward cost and saved activation bytes
   of each layer of a `labkit.models.GPT`, embedding and head included: the costs `balance` splits.
 
@@ -35,6 +36,7 @@ __all__ = [
     "LayerProfile",
     "balance",
     "bubble_fraction",
+    "choose_micro_batches",
     "ideal_step_time",
     "in_flight",
     "micro_batches_for_bubble",
@@ -170,6 +172,44 @@ def in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) ->
     return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
 
 
+def choose_micro_batches(stages: int, batch_size: int, max_bubble: float = 0.3, schedule: str = "1f1b", *,
+                         activation_bytes_per_sample: float | None = None, memory_bytes: float | None = None) -> int:
+    """The number of micro-batches for a batch of `batch_size` sequences on `stages` stages.
+
+    The fewest m that divides the batch (equal micro-batches), is at least `stages` for 1F1B (torch
+    requires it), and whose ideal bubble (p-1)/(m+p-1) is at most `max_bubble`; the most (one sequence
+    each) when no m reaches the target. With `activation_bytes_per_sample` (what one sequence saves on
+    the first stage, which holds the most) and `memory_bytes`, only an m whose micro-batches in flight
+    fit: under 1F1B that is p micro-batches of batch/m sequences, so more micro-batches also save
+    memory; under GPipe all m are in flight, the whole batch, whatever m is.
+    """
+    validate.positive_int("stages", stages, "choose_micro_batches(4, 16)")
+    validate.positive_int("batch_size", batch_size, "choose_micro_batches(4, batch_size=16)")
+    validate.one_of("schedule", schedule, ("gpipe", "1f1b"), 'choose_micro_batches(4, 16, schedule="1f1b")')
+    if not isinstance(max_bubble, (int, float)) or not 0 < max_bubble < 1:
+        raise ValueError(f"max_bubble={max_bubble!r} must be a fraction between 0 and 1; e.g. 0.3 for 30 %")
+    low = stages if schedule == "1f1b" else 1
+    options = [m for m in range(low, batch_size + 1) if batch_size % m == 0]
+    if not options:
+        raise ValueError(f"batch_size={batch_size} is smaller than stages={stages}: 1F1B needs at least one "
+                         f"micro-batch per stage; use batch_size >= {stages} or schedule='gpipe'")
+    if (activation_bytes_per_sample is None) != (memory_bytes is None):
+        raise ValueError("give both activation_bytes_per_sample and memory_bytes, or neither")
+    if memory_bytes is not None:
+        fits = [m for m in options
+                if in_flight(schedule, stages, m) * (batch_size // m) * activation_bytes_per_sample <= memory_bytes]
+        if not fits:
+            need = min(in_flight(schedule, stages, m) * (batch_size // m) for m in options) * activation_bytes_per_sample
+            raise ValueError(f"no micro-batch count fits: the first stage needs at least {need / 2**20:.1f} MiB of "
+                             f"activations, memory_bytes is {memory_bytes / 2**20:.1f} MiB. Use 1F1B, activation "
+                             "checkpointing, a smaller batch, or more stages")
+        options = fits
+    for m in options:
+        if bubble_fraction(stages, m, schedule) <= max_bubble:
+            return m
+    return options[-1]
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """One layer's measured cost per micro-batch, and what autograd saves for its backward."""
@@ -207,15 +247,19 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     return out, sum(seen.values())
 
 
-def profile_layers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 3) -> list[LayerProfile]:
-    """Forward and backward cost (median of `repeats`) and saved activations of each layer of a GPT:
-    "embedding" (token + position), "block i", and "head" (final norm, LM head and the loss).
+def profile_layers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 5) -> list[LayerProfile]:
+    """Forward and backward cost (median of `repeats` training steps) and saved activations of each
+    layer of a GPT: "embedding" (token + position), "block i", and "head" (final norm, LM head, loss).
 
-    Each layer runs on its own, on the output of the layers before it, so one layer's time is not
-    blurred by its neighbours; with a large vocabulary the head (and the embedding's gradient) weigh
-    as much as several blocks, which a split by layer count ignores.
+    Each layer is timed inside a whole forward and backward of the model, as a pipeline stage runs it:
+    forward from clock readings between layers, backward from gradient hooks on the tensors between
+    layers (a layer's backward ends when the gradient of its input is ready). Timed on its own, hot in
+    the cache, the head looked 20-40 % cheaper next to the blocks than it is in a real step (its logits
+    are cold by the time backward reaches them), which a balanced split then inherits. With a large
+    vocabulary the head (and the embedding's gradient) weigh as much as several blocks, which a split
+    by layer count ignores. Gradients accumulate between repeats, as over a pipeline's micro-batches.
     """
-    validate.positive_int("repeats", repeats, "profile_layers(model, x, y, repeats=3)")
+    validate.positive_int("repeats", repeats, "profile_layers(model, x, y, repeats=5)")
     for name in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head"):
         if not hasattr(model, name):
             raise TypeError(f"profile_layers needs a labkit.models.GPT (no .{name} on {type(model).__name__})")
@@ -232,20 +276,29 @@ def profile_layers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, 
     layers: list[tuple[str, Callable]] = [("embedding", embedding)]
     layers += [(f"block {i}", block) for i, block in enumerate(model.blocks)]
     layers.append(("head", head))
-    out, h = [], None
-    for name, layer in layers:
-        inp = None if h is None else h.detach().requires_grad_(True)
-        fwd, bwd, saved = [], [], 0
-        for _ in range(repeats):
-            model.zero_grad(set_to_none=True)
-            t0 = clock()
-            result, saved = _saved_bytes(lambda: layer(inp))
-            t1 = clock()
-            result.backward(torch.ones_like(result))
-            t2 = clock()
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        out.append(LayerProfile(name, statistics.median(fwd) * 1e3, statistics.median(bwd) * 1e3, saved))
-        h = result.detach()
+    saved, h = [], None  # one untimed pass: what each layer saves for backward
+    for _, layer in layers:
+        h, nbytes = _saved_bytes(lambda: layer(h))
+        saved.append(nbytes)
+    h.backward()
+    n = len(layers)
+    fwd: list[list[float]] = [[] for _ in layers]
+    bwd: list[list[float]] = [[] for _ in layers]
+    for _ in range(repeats + 1):  # the first step warms up
+        marks, ready = [clock()], [0.0] * n  # ready[i]: when the gradient of layer i's input was ready
+        h = None
+        for i, (_, layer) in enumerate(layers):
+            h = layer(h)
+            marks.append(clock())
+            if i < n - 1:
+                h.register_hook(lambda g, i=i + 1: ready.__setitem__(i, clock()))
+        t0 = clock()
+        h.backward()
+        ready[0] = clock()  # the embedding's backward ends with backward itself
+        done = [t0] + [ready[i] for i in range(n - 1, -1, -1)]  # head's end first, embedding's last
+        for k, i in enumerate(range(n - 1, -1, -1)):
+            fwd[i].append(marks[i + 1] - marks[i])
+            bwd[i].append(done[k + 1] - done[k])
     model.zero_grad(set_to_none=True)
-    return out
+    return [LayerProfile(name, statistics.median(f[1:]) * 1e3, statistics.median(b[1:]) * 1e3, nb)
+            for (name, _), f, b, nb in zip(layers, fwd, bwd, saved)]
