@@ -1,6 +1,8 @@
 """Pictures of traces: one step per rank, a compute lane and a comm lane.
 
 `plot_timeline` draws what `timeline.py` reads; lab 03 shows it before and after the fix.
+`plot_pipeline` draws a pipeline step as a Gantt chart, one row per rank, each forward and backward
+of each micro-batch where it ran (lab 04, from `labkit.experiments.imbalanced_pipeline`'s spans).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from labkit.trace.timeline import Trace, overlap, read_trace, step_lanes
 
-__all__ = ["plot_timeline"]
+__all__ = ["plot_pipeline", "plot_timeline"]
 
 
 def plot_timeline(
@@ -57,6 +59,41 @@ def plot_timeline(
         )
     ax.set_yticks(yticks, ylabels)
     ax.set_xlim(0, x_max * 1.15 if x_max > 0 else 1)
+    ax.set_xlabel("ms from the start of the step")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_pipeline(spans_by_rank: Sequence[Sequence[tuple[str, int, int, float, float]]], step_ms: float | None = None,
+                  ax: Any = None, title: str = "One pipeline step") -> Any:
+    """A Gantt chart of one pipeline step: per rank, its forward ("F") and backward ("B") spans
+    `(kind, stage, micro_batch, start_ms, end_ms)`, labelled with the micro-batch; white is idle.
+    Returns the matplotlib Figure."""
+    import matplotlib.pyplot as plt
+
+    if not spans_by_rank:
+        raise ValueError("plot_pipeline got no ranks; pass summary.spans from summarize_pipeline.")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.8 + 0.55 * len(spans_by_rank)))
+    else:
+        fig = ax.figure
+    end = step_ms if step_ms is not None else max((e for spans in spans_by_rank for *_, e in spans), default=1.0)
+    shades = {"F": ("tab:blue", "lightsteelblue"), "B": ("tab:green", "darkseagreen")}
+    for rank, spans in enumerate(spans_by_rank):
+        busy = sum(e - a for *_, a, e in spans)
+        for kind, stage, mb, a, e in spans:
+            color = shades[kind][stage // len(spans_by_rank) % 2]  # a second chunk per rank: the lighter shade
+            ax.broken_barh([(a, e - a)], (-rank - 0.4, 0.8), facecolor=color, edgecolor="white", linewidth=0.5)
+            if e - a > end * 0.012:
+                ax.text((a + e) / 2, -rank, str(mb), ha="center", va="center", fontsize=7, color="white")
+        ax.text(end, -rank, f"  idle {100 * (1 - busy / end):.0f}%", va="center", fontsize=8)
+    ax.broken_barh([], (0, 0), facecolor="tab:blue", label="forward (micro-batch no.)")
+    ax.broken_barh([], (0, 0), facecolor="tab:green", label="backward")
+    ax.set_yticks([-r for r in range(len(spans_by_rank))], [f"rank {r}" for r in range(len(spans_by_rank))])
+    ax.set_xlim(0, end * 1.12)
     ax.set_xlabel("ms from the start of the step")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)

@@ -1,0 +1,311 @@
+"""Lab 04's driver: time pipeline-parallel steps of a GPT split into stages, and what each stage did.
+
+`pipeline_steps` runs on every rank (launch it with `labkit.launch`, one rank per pipeline rank):
+for each plan (a split, a micro-batch count, a schedule) it builds the same seeded GPT everywhere, keeps
+this rank's stages of the split (`labkit.parallel.pipeline`), and runs `torch.distributed.pipelining`
+steps (GPipe, 1F1B or interleaved 1F1B) with SGD, the plans taking turns step by step; it records per step the step time, the time this rank waited, each forward and backward of each
+micro-batch (start and end on `labkit.runtime.clock`: the virtual device clock on the emulated cluster),
+and the bytes it sent. It can check the first step's gradients and loss against one process running
+the whole batch, and measure the peak memory a step adds (activations in flight) on this rank.
+`summarize_pipeline` combines the ranks: step time, busy and idle time per rank, the bubble next to
+its formula, the imbalance, and the ideal pipeline's time for the same work (the limit).
+`layer_costs` measures what each layer costs (`labkit.pipeline.profile_layers`) on one rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from labkit import emulate, runtime, validate
+from labkit.experiments.common import seeded_model
+from labkit.models import GPTConfig, synthetic_batch
+from labkit.parallel.pipeline import gpt_loss, layer_names, make_schedule, pipeline_stages
+from labkit.pipeline import LayerProfile, bubble_fraction, ideal_step_time, profile_layers
+
+__all__ = ["Plan", "PipelineRankResult", "PipelineSummary", "layer_costs", "pipeline_steps", "summarize_pipeline"]
+
+
+@dataclass
+class PipelineRankResult:
+    """What one pipeline rank measured. Times in ms; spans are of the last step, from its start."""
+
+    rank: int
+    stages: list[int]
+    layers: list[list[str]]  # per stage held
+    schedule: str
+    micro_batches: int
+    step_ms: list[float]  # each measured step: schedule.step from a common start (after a barrier)
+    waited_ms: list[float | None]  # of it, waiting for transfers (virtual clock only)
+    spans: list[tuple[str, int, int, float, float]]  # (kind "F"/"B", stage, micro-batch, start, end)
+    sent_bytes: int  # point-to-point, per step
+    sends: int  # point-to-point transfers, per step
+    peak_bytes: int | None = None  # memory a step adds at its peak (activations in flight, buffers)
+    grad_error: float | None = None  # largest |gradient - one process's| on this rank's parameters
+    loss_error: float | None = None  # last stage: |mean micro-batch loss - one process's loss|
+    label: str = ""
+
+    def busy_ms(self) -> list[float]:
+        """Per step, time this rank computed: step less waiting on the virtual clock, else its spans."""
+        span_ms = sum(e - s for _, _, _, s, e in self.spans)
+        return [ms - w if w is not None else span_ms for ms, w in zip(self.step_ms, self.waited_ms)]
+
+
+def _clock_spans(stages: list, spans: list, sent: list[int]) -> None:
+    """Record each forward and backward chunk of `stages` on runtime.clock, and the bytes each sends."""
+    for stage in stages:
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            inner = getattr(stage, name)
+
+            def timed(chunk: int, *args: Any, _inner: Callable = inner, _kind: str = kind, _s: int = stage.stage_index,
+                      **kwargs: Any) -> Any:
+                t0 = runtime.clock()
+                out = _inner(chunk, *args, **kwargs)
+                spans.append((_kind, _s, chunk, t0, runtime.clock()))
+                return out
+
+            setattr(stage, name, timed)
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+            inner = getattr(stage, name)
+
+            def counted(chunk: int, *args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
+                ops = _inner(chunk, *args, **kwargs)
+                sent[0] += len(ops)
+                sent[1] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                return ops
+
+            setattr(stage, name, counted)
+
+
+def _timed_loss(spans: list, stage_index: int) -> Callable:
+    """The GPT loss on the last stage, its time added to the forward span of the same micro-batch."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t0 = runtime.clock()
+        out = gpt_loss(logits, targets)
+        mb = sum(1 for k, s, *_ in spans if k == "L" and s == stage_index)
+        spans.append(("L", stage_index, mb, t0, runtime.clock()))
+        return out
+
+    return loss
+
+
+def _merge_loss(spans: list) -> list:
+    """Fold each loss span into its micro-batch's forward (the head's forward includes the loss)."""
+    loss = {(s, mb): e for k, s, mb, _, e in spans if k == "L"}
+    return [(k, s, mb, a, max(b, loss.get((s, mb), b)) if k == "F" else b) for k, s, mb, a, b in spans if k != "L"]
+
+
+def _reference_errors(config: GPTConfig, seed: int, x: torch.Tensor, y: torch.Tensor, model: torch.nn.Module,
+                      stages: list, losses: list) -> tuple[float, float | None]:
+    """This rank's gradients and (last stage) mean loss against one process on the whole batch."""
+    ref = seeded_model(config, seed)
+    ref_loss = ref(x, y)  # mean over every token = mean of the equal micro-batches' means
+    ref_loss.backward()
+    held = {id(p) for st in stages for p in st.submod.parameters()}
+    ref_grads = dict(ref.named_parameters())
+    error = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters()
+                if id(p) in held and p.grad is not None)
+    loss_error = abs(float(torch.stack(losses).detach().mean()) - ref_loss.item()) if losses else None
+    return error, loss_error
+
+
+def _peak_of(step: Callable[[], None]) -> int:
+    """Bytes a step adds at its peak: CUDA's allocator on a GPU, an emulated budget on the CPU."""
+    if runtime.on_gpu():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with emulate.MemoryBudget(2**50) as budget:  # counts the tensors made inside it: the step's own
+        step()
+    return budget.peak
+
+
+Plan = tuple[Sequence[int], int, str]  # (layers per stage, micro-batches, schedule)
+
+
+class _Pipeline:
+    """One plan on this rank: its own seeded model, stages, schedule, optimizer and what it measured."""
+
+    def __init__(self, config: GPTConfig, plan: Plan, batch_size: int, lr: float, seed: int,
+                 group: dist.ProcessGroup | None) -> None:
+        sizes, micro_batches, schedule = plan
+        validate.positive_int("micro_batches", micro_batches, "pipeline_steps(config, [(sizes, 8, '1f1b')])")
+        if batch_size % micro_batches:
+            raise ValueError(f"batch_size={batch_size} must divide into micro_batches={micro_batches} equal "
+                             f"micro-batches; e.g. batch_size={micro_batches * max(1, batch_size // micro_batches)}")
+        self.config, self.batch_size, self.seed, self.group = config, batch_size, seed, group
+        self.dev = runtime.device()
+        self.model = seeded_model(config, seed, self.dev)
+        self.stages = pipeline_stages(self.model, sizes, group, self.dev)
+        self.spans: list = []
+        self.sent = [0, 0]
+        _clock_spans(self.stages, self.spans, self.sent)
+        last = [st for st in self.stages if st.is_last]
+        loss = _timed_loss(self.spans, last[0].stage_index) if last else gpt_loss
+        self.schedule = make_schedule(self.stages, schedule, micro_batches, loss)
+        self.opt = torch.optim.SGD([p for st in self.stages for p in st.submod.parameters()], lr=lr)
+        names = layer_names(config)
+        starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        cluster = runtime.current_cluster()
+        self.result = PipelineRankResult(
+            dist.get_rank(group), [st.stage_index for st in self.stages],
+            [names[starts[k]:starts[k + 1]] for k in (st.stage_index for st in self.stages)],
+            schedule, micro_batches, [], [], [], 0, 0, label=cluster.label if cluster else "")
+
+    def forward_backward(self, step: int) -> list:
+        x, y = synthetic_batch(self.config, self.batch_size, seed=self.seed, step=step, device=self.dev)
+        losses: list = []
+        self.opt.zero_grad(set_to_none=False)
+        # return_outputs=False: merging every micro-batch's logits into one tensor is not training work
+        kwargs: dict[str, Any] = {"return_outputs": False}
+        if any(st.is_last for st in self.stages):
+            kwargs.update(target=y, losses=losses)
+        if any(st.is_first for st in self.stages):
+            self.schedule.step(x, **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        return losses
+
+    def timed_step(self, step: int, measured: bool, check: bool) -> None:
+        self.spans.clear()
+        self.sent[0] = self.sent[1] = 0
+        dist.barrier(group=self.group)  # a common start: the pipeline's step time is its last rank's end
+        w0 = emulate.rank_clock().waited() if runtime.on_virtual_clock() else None
+        t0 = runtime.clock()
+        losses = self.forward_backward(step)
+        ms = (runtime.clock() - t0) * 1e3
+        waited = (emulate.rank_clock().waited() - w0) * 1e3 if w0 is not None else None
+        r = self.result
+        if check and step == 0:
+            x, y = synthetic_batch(self.config, self.batch_size, seed=self.seed, step=0)
+            r.grad_error, r.loss_error = _reference_errors(self.config, self.seed, x, y, self.model, self.stages,
+                                                           losses)
+        self.opt.step()
+        if measured:
+            r.step_ms.append(ms)
+            r.waited_ms.append(waited)
+            r.spans = [(k, s, mb, (a - t0) * 1e3, (b - t0) * 1e3) for k, s, mb, a, b in _merge_loss(self.spans)]
+            r.sends, r.sent_bytes = self.sent[0], self.sent[1]
+
+
+def pipeline_steps(config: GPTConfig, plans: Sequence[Plan], *, batch_size: int = 16, steps: int = 3,
+                   warmup: int = 1, lr: float = 0.1, seed: int = 0, check: bool = False,
+                   measure_memory: bool = False,
+                   process_group: dist.ProcessGroup | None = None) -> list[PipelineRankResult]:
+    """Train pipeline steps of `GPT(config)` under each plan, interleaved step by step; every rank calls it.
+
+    A plan is `(sizes, micro_batches, schedule)`: layers per stage over (embedding, blocks, head), one
+    stage per rank, or v per rank for "interleaved_1f1b". Each plan trains its own copy of the same seeded
+    model with SGD; step s of every plan trains on `synthetic_batch(config, batch_size, seed=seed, step=s)`
+    cut into equal micro-batches. The plans take turns step by step, so a slow moment of the machine hits
+    all of them rather than one. `check`: compare each plan's first step with one process on the whole
+    batch. `measure_memory`: one more step per plan, measured for the peak memory it adds.
+    Returns this rank's result for each plan, in order.
+    """
+    validate.positive_int("steps", steps, "pipeline_steps(..., steps=3)")
+    validate.non_negative_int("warmup", warmup, "pipeline_steps(..., warmup=1)")
+    if not plans:
+        raise ValueError("pipeline_steps needs at least one plan: [(sizes, micro_batches, schedule), ...]")
+    runs = [_Pipeline(config, plan, batch_size, lr, seed, process_group) for plan in plans]
+    for step in range(warmup + steps):
+        for run in runs:
+            run.timed_step(step, measured=step >= warmup, check=check)
+    if measure_memory:
+        for run in runs:
+            dist.barrier(group=process_group)
+            run.result.peak_bytes = _peak_of(lambda: run.forward_backward(warmup + steps))
+    return [run.result for run in runs]
+
+
+@dataclass
+class PipelineSummary:
+    """The ranks of one pipeline run combined (ms; the median over measured steps)."""
+
+    schedule: str
+    sizes: list[int]
+    micro_batches: int
+    chunks: int  # stages per rank (v)
+    step_ms: float  # the slowest rank's end
+    busy_ms: list[float]  # per rank
+    idle_ms: list[float]  # per rank: step_ms - busy
+    bubble: float  # measured: mean idle / step
+    bubble_formula: float  # labkit.pipeline.bubble_fraction
+    imbalance: float  # max busy / mean busy
+    limit_ms: float  # the same work on a perfectly balanced ideal pipeline
+    peak_bytes: list[int | None]
+    grad_error: float | None
+    loss_error: float | None
+    spans: list[list[tuple[str, int, int, float, float]]]  # per rank, the last step
+    layers: list[list[str]]  # per stage
+    sent_bytes: list[int]
+    sends: list[int]
+    label: str = ""
+    steps: list[float] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.busy_ms)
+
+    @property
+    def stage_ms(self) -> list[float]:
+        """Each rank's compute per micro-batch (forward + backward of all it holds)."""
+        return [b / self.micro_batches for b in self.busy_ms]
+
+
+def summarize_pipeline(results: Sequence[PipelineRankResult]) -> PipelineSummary:
+    """Combine `pipeline_steps`'s results (rank order) into step, busy, idle, bubble, imbalance, limit."""
+    if not results:
+        raise ValueError("summarize_pipeline needs the ranks' results: labkit.launch(pipeline_steps, ...)")
+    p, m = len(results), results[0].micro_batches
+    n_stages = sum(len(r.stages) for r in results)
+    v = n_stages // p
+    schedule = results[0].schedule
+    busy_by_step = list(zip(*(r.busy_ms() for r in results)))  # [step][rank]
+    steps = [max(r.step_ms[i] for r in results) for i in range(len(busy_by_step))]
+
+    def limit_of(busy: Sequence[float]) -> float:
+        # The ideal: every rank's work per micro-batch the mean, fill and drain (p-1)/v micro-batch slots.
+        per_mb = [b / m for b in busy]
+        return sum(per_mb) / p * (m + (p - 1) / v) if schedule == "interleaved_1f1b" else ideal_step_time(per_mb, m)
+
+    # Each measure is taken step by step (the ranks' busy times of one step go with that step's end), then
+    # the median over steps: a slow moment of the host in one step does not mix with another step's numbers.
+    med = statistics.median
+    bubble = med(sum(t - b for b in busy) / (p * t) for t, busy in zip(steps, busy_by_step))
+    imbalance = med(max(busy) / (sum(busy) / p) for busy in busy_by_step)
+    limit = med(limit_of(busy) for busy in busy_by_step)
+    step = med(steps)
+    busy = [med(col) for col in zip(*busy_by_step)]
+    idle = [step - b for b in busy]
+    layers: list[list[str]] = [[] for _ in range(n_stages)]
+    for r in results:
+        for s, names in zip(r.stages, r.layers):
+            layers[s] = names
+    errors = [r.grad_error for r in results if r.grad_error is not None]
+    loss_errors = [r.loss_error for r in results if r.loss_error is not None]
+    return PipelineSummary(
+        schedule=schedule, sizes=[len(x) for x in layers], micro_batches=m, chunks=v, step_ms=step, busy_ms=busy,
+        idle_ms=idle, bubble=bubble, bubble_formula=bubble_fraction(p, m, schedule, v),
+        imbalance=imbalance, limit_ms=limit, peak_bytes=[r.peak_bytes for r in results],
+        grad_error=max(errors) if errors else None, loss_error=max(loss_errors) if loss_errors else None,
+        spans=[r.spans for r in results], layers=layers, sent_bytes=[r.sent_bytes for r in results],
+        sends=[r.sends for r in results], label=results[0].label, steps=steps)
+
+
+def layer_costs(config: GPTConfig, micro_batch: int, *, seed: int = 0, repeats: int = 5) -> list[LayerProfile]:
+    """On one rank: `profile_layers` of the seeded GPT on a micro-batch of `micro_batch` sequences,
+    on this rank's device (one thread on the emulated cluster, as every emulated GPU computes)."""
+    validate.positive_int("micro_batch", micro_batch, "layer_costs(config, micro_batch=2)")
+    dev = runtime.device()
+    model = seeded_model(config, seed, dev)
+    x, y = synthetic_batch(config, micro_batch, seed=seed, device=dev)
+    return profile_layers(model, x, y, repeats=repeats)
