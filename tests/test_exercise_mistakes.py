@@ -25,6 +25,17 @@ def _kernel_finds_labkit(monkeypatch):
 SUM = ("00_cluster_tour", "def sum_over_ranks", "check_sum_over_ranks(results")
 ACCUMULATE = ("02_oom_batch", "def accumulate(ddp, batches)", "check_accumulation(fixed")
 DDP_HOOK = ("03_unoverlapped_comms", "class MyOverlappedDDP", "check_overlapped_ddp(drill")
+BALANCE = ("04_imbalanced_pipeline", "def my_balance(costs, stages)", "check_balance(my_balance")
+
+_DP = ("    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]", "    return sizes[::-1]")
+_GREEDY = """    target, sizes, count, total = sum(costs) / stages, [], 0, 0.0
+    for i, c in enumerate(costs):
+        if count and total + c > target and len(sizes) < stages - 1:
+            sizes.append(count)
+            count, total = 0, 0.0
+        count, total = count + 1, total + c
+    return sizes + [count]"""
+_EVEN = "    return [n // stages + (1 if s < n % stages else 0) for s in range(stages)]"
 
 MISTAKES = {
     "all_reduce result assigned": (SUM, {"dist.all_reduce(t)": "t = dist.all_reduce(t)"},
@@ -58,6 +69,19 @@ MISTAKES = {
     "the base class called": (DDP_HOOK, {
         "        bucket = self._bucket_of[id(param)]\n": "        super()._on_grad_ready(param)\n        return\n"},
         "yours to write"),
+    "greedy split": (BALANCE, {_DP: _GREEDY}, "greedy"),
+    "split by layer count": (BALANCE, {_DP: _EVEN}, "split by layer count"),
+    "cut positions returned": (BALANCE, {"    return sizes[::-1]": "    out, total = [], 0\n    for k in sizes[::-1]:\n        total += k\n        out.append(total)\n    return out"},
+                               "cut positions"),
+    "sum minimised instead of the bottleneck": (BALANCE, {"value = max(best[k - 1][j], prefix[i] - prefix[j])":
+                                                          "value = best[k - 1][j] + prefix[i] - prefix[j]"},
+                                                "not a sum"),
+    "empty stages allowed": (BALANCE, {"        for i in range(k, n - (stages - k) + 1):\n            for j in range(k - 1, i):":
+                                       "        for i in range(n + 1):\n            for j in range(i + 1):"},
+                             "at least one layer"),
+    "bad input not refused": (BALANCE, {"    if stages > n:\n        raise ValueError(": "    if False:\n        raise ValueError(",
+                                        "            raise ValueError(f\"costs[{i}]": "            pass  # (f\"costs[{i}]"},
+                              "raise ValueError"),
 }
 
 
@@ -69,10 +93,13 @@ def _mutated(lab: str, exercise: str, check: str, edits: dict[str, str]) -> nbfo
     # the solution blocks of the cell (### BEGIN SOLUTION ... ### END SOLUTION) take the edits
     parts = cell.source.split("### END SOLUTION")
     for old, new in edits.items():
-        hits = [i for i, part in enumerate(parts) if old in part.split("### BEGIN SOLUTION")[-1]]
-        assert hits, f"the mutation's text {old!r} is not in a solution block of {lab}"
+        first, last = old if isinstance(old, tuple) else (old, old)  # a (first line, last line) pair: that range
+        hits = [i for i, part in enumerate(parts) if first in part.split("### BEGIN SOLUTION")[-1]]
+        assert hits, f"the mutation's text {first!r} is not in a solution block of {lab}"
         head, _, block = parts[hits[0]].rpartition("### BEGIN SOLUTION")
-        parts[hits[0]] = head + "### BEGIN SOLUTION" + block.replace(old, new)
+        a = block.index(first)
+        b = block.index(last, a) + len(last)
+        parts[hits[0]] = head + "### BEGIN SOLUTION" + block[:a] + new + block[b:]
     cell.source = "### END SOLUTION".join(parts)
     nb.cells = keep
     return nb
@@ -98,7 +125,7 @@ def test_a_plausible_mistake_fails_at_its_check_with_its_hint(name, tmp_path):
     assert took < 60, f"{name}: took {took:.0f} s to fail"
 
 
-@pytest.mark.parametrize("lab,exercise,check", [SUM, ACCUMULATE, DDP_HOOK])
+@pytest.mark.parametrize("lab,exercise,check", [SUM, ACCUMULATE, DDP_HOOK, BALANCE])
 def test_the_right_answer_passes_the_cut_notebook(lab, exercise, check, tmp_path):
     path = tmp_path / f"{lab}.ipynb"
     nbformat.write(_mutated(lab, exercise, check, {}), path)
