@@ -104,8 +104,9 @@ def _merge_loss(spans: list) -> list:
 def _reference_errors(config: GPTConfig, seed: int, x: torch.Tensor, y: torch.Tensor, model: torch.nn.Module,
                       stages: list, losses: list) -> tuple[float, float | None]:
     """This rank's gradients and (last stage) mean loss against one process on the whole batch."""
-    ref = seeded_model(config, seed)
-    ref_loss = ref(x, y)  # mean over every token = mean of the equal micro-batches' means
+    dev = next(model.parameters()).device
+    ref = seeded_model(config, seed, dev)
+    ref_loss = ref(x.to(dev), y.to(dev))  # mean over every token = mean of the equal micro-batches' means
     ref_loss.backward()
     held = {id(p) for st in stages for p in st.submod.parameters()}
     ref_grads = dict(ref.named_parameters())
