@@ -46,6 +46,8 @@ class VirtualClock:
         # issue to completion, both in virtual seconds. Compute is the time between waits.
         self.waits: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
         self.collectives: collections.deque[tuple[str, float, float, int]] = collections.deque(maxlen=100_000)
+        # Named phases of the rank's own work (`labkit.trace.phase`: data loading, logging, ...).
+        self.phases: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=100_000)
 
     def _cpu_ns(self) -> int:
         return time.clock_gettime_ns(self._cpu_clock) - self._cpu0
@@ -74,6 +76,10 @@ class VirtualClock:
     def log_collective(self, name: str, issued: float, done: float, nbytes: int) -> None:
         """Put one collective on the device timeline (called by the group's completion thread)."""
         self.collectives.append((name, issued, done, nbytes))
+
+    def log_phase(self, name: str, start: float, end: float) -> None:
+        """Put one named phase of this rank's work on the device timeline."""
+        self.phases.append((name, start, end))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -9,7 +9,8 @@ of its clock), and every collective runs from its issue to its modelled completi
 profiled step, so `read_trace`, `overlap` and `plot_timeline` (`timeline.py`, `plots.py`)
 read it as they read a host trace. It opens in Perfetto or chrome://tracing.
 
-Compute segments are named "compute": which operator ran when is in the host trace.
+Compute segments are named "compute": which operator ran when is in the host trace. Named phases
+(`phases.py`: data loading, logging, ...) are in a lane of their own, "emulated GPU: phases".
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from pathlib import Path
 
 from labkit.emulate.clock import VirtualClock
 from labkit.trace.commlog import COMM_CATEGORY
+from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
 from labkit.trace.timeline import dump_json, subtract, union
 
-__all__ = ["DEVICE_COMPUTE", "DEVICE_COMM", "device_trace_path", "write_device_trace"]
+__all__ = ["DEVICE_COMM", "DEVICE_COMPUTE", "DEVICE_PHASES", "device_trace_path", "write_device_trace"]
 
 DEVICE_COMPUTE = "emulated GPU: compute"
 DEVICE_COMM = "emulated GPU: communication"
+DEVICE_PHASES = "emulated GPU: phases"
 
 
 def device_trace_path(host_trace: str | Path) -> Path:
@@ -43,9 +46,11 @@ def write_device_trace(path: str | Path, clock: VirtualClock, steps: list[tuple[
         {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (emulated GPU, virtual time)"}},
         {"ph": "M", "name": "thread_name", "pid": rank, "tid": DEVICE_COMPUTE, "args": {"name": DEVICE_COMPUTE}},
         {"ph": "M", "name": "thread_name", "pid": rank, "tid": DEVICE_COMM, "args": {"name": DEVICE_COMM}},
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": DEVICE_PHASES, "args": {"name": DEVICE_PHASES}},
     ]
     waits = list(clock.waits)
     collectives = list(clock.collectives)
+    phases = list(clock.phases)
     for number, lo, hi in steps:
         events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{number}", "pid": rank,
                        "tid": DEVICE_COMPUTE, "ts": lo * us, "dur": (hi - lo) * us})
@@ -57,6 +62,10 @@ def write_device_trace(path: str | Path, clock: VirtualClock, steps: list[tuple[
                 events.append({"ph": "X", "cat": COMM_CATEGORY, "name": f"comm:{name}", "pid": rank,
                                "tid": DEVICE_COMM, "ts": issued * us, "dur": (done - issued) * us,
                                "args": {"bytes": nbytes}})
+        for name, a, b in phases:
+            if lo <= a < hi:
+                events.append({"ph": "X", "cat": PHASE_CATEGORY, "name": PHASE_PREFIX + name, "pid": rank,
+                               "tid": DEVICE_PHASES, "ts": a * us, "dur": (b - a) * us})
     path.parent.mkdir(parents=True, exist_ok=True)
     dump_json(path, {"traceEvents": events, "distributedInfo": {"rank": rank}, "displayTimeUnit": "ms"})
     return path

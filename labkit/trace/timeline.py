@@ -62,6 +62,7 @@ class TraceEvent:
     tid: Any
     pid: Any = 0
     lane: str | None = None  # "compute", "comm" or None (step markers, metadata)
+    args: dict | None = field(default=None, compare=False, hash=False)  # kept for comm events (bytes)
 
     @property
     def end_us(self) -> float:
@@ -168,7 +169,8 @@ def read_trace(path: str | Path, *, rank: int | None = None) -> Trace:
             steps.setdefault(n, Step(n, start, start + dur))
             continue
         lane = classify(name, cat, thread_names.get((e.get("pid"), e.get("tid")), ""))
-        events.append(TraceEvent(name, cat, start, dur, e.get("tid"), e.get("pid"), lane))
+        args = e.get("args") if lane == "comm" and isinstance(e.get("args"), dict) else None
+        events.append(TraceEvent(name, cat, start, dur, e.get("tid"), e.get("pid"), lane, args))
     events.sort(key=lambda ev: ev.start_us)
     return Trace(path, events, sorted(steps.values(), key=lambda s: s.number), rank, thread_names)
 
