@@ -5,17 +5,26 @@
 * `capture.py`: `capture`, a bounded profiler run per rank with the `CommLog` merged in;
 * `device.py`: the emulated device timeline in virtual time, written next to the host trace;
 * `timeline.py`: `read_trace`, lanes (compute, comm, idle) per step, `overlap`;
-* `plots.py`: `plot_timeline`, and `plot_pipeline` (a pipeline step as a Gantt chart).
+* `plots.py`: `plot_timeline`, and `plot_pipeline` (a pipeline step as a Gantt chart);
+* `phases.py`: `phase`, a named region in the host trace, NVTX and the device timeline;
+* `analyze.py`: `analyze`, where each rank's step went (compute, comm, waiting, data, host syncs);
+* `diagnose.py`: `diagnose`, the likely bottleneck of a run with its evidence.
 """
 
+from labkit.trace.analyze import RankBreakdown, analyze
 from labkit.trace.capture import capture
 from labkit.trace.commlog import CommLog, CommSpan
 from labkit.trace.device import device_trace_path
+from labkit.trace.diagnose import Diagnosis, diagnose
+from labkit.trace.phases import phase
 from labkit.trace.plots import plot_pipeline, plot_timeline
 from labkit.trace.timeline import Step, Trace, TraceEvent, classify, overlap, read_trace, step_lanes
 
 __all__ = [
     "CommLog",
+    "Diagnosis",
+    "RankBreakdown",
+    "analyze",
     "CommSpan",
     "Step",
     "Trace",
@@ -23,7 +32,9 @@ __all__ = [
     "capture",
     "classify",
     "device_trace_path",
+    "diagnose",
     "overlap",
+    "phase",
     "plot_pipeline",
     "plot_timeline",
     "read_trace",

@@ -1,0 +1,246 @@
+"""Where each rank's step went, read from its traces: compute, communication, waiting, data, host syncs.
+
+`analyze(traces)` takes one run's per-rank traces (a directory written by `capture`, or a list of
+paths) and returns, per rank, a `RankBreakdown` of a typical profiled step (the median over steps). It reads whichever
+timeline is closest to the device:
+
+* **emulated device timeline** (`*.device.json`, the virtual clock): compute is the time the rank did
+  not wait, communication each collective from issue to completion, phases (`phases.py`) named spans;
+* **GPU kernels** in a host trace: compute is the union of non-NCCL kernels, communication the NCCL
+  kernels, so host-side spans that only enqueue work (`backward`, `optimizer.step`) never count as
+  overlap;
+* **CPU host trace** alone: the lanes of `timeline.step_lanes`.
+
+From the host trace it also takes the operators with the most self time, data loading (PyTorch's
+"enumerate(DataLoader)#..." spans and `phase("data...")`) and host synchronisations (`aten::item`,
+`aten::_local_scalar_dense`, `cuda*Synchronize`). HolisticTraceAnalysis is not needed (it fails on
+CPU-only traces). `diagnose.py` turns the breakdown into a verdict.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from labkit.trace.commlog import COMM_CATEGORY
+from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
+from labkit.trace.timeline import Trace, TraceEvent, load_json, read_trace, step_lanes, subtract, union
+
+__all__ = ["Collective", "RankBreakdown", "analyze", "trace_files"]
+
+Interval = tuple[float, float]
+
+HOST_SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                 "cudaEventSynchronize")
+DATA_PREFIXES = ("enumerate(DataLoader)", PHASE_PREFIX + "data")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a profiled step (ms from the step's start)."""
+
+    name: str
+    start_ms: float
+    end_ms: float
+    nbytes: int | None
+    waited_ms: float  # how long the rank was blocked while it was in flight
+    compute_before_ms: float  # the rank's compute before it was issued, in the same step
+    compute_after_ms: float  # the rank's compute after it ended, in the same step
+    overlapped_ms: float  # the rank's compute while it was in flight
+
+
+@dataclass
+class RankBreakdown:
+    """One rank's profiled steps, per step (ms; the median over the profiled steps)."""
+
+    rank: int
+    source: str  # "emulated device timeline", "GPU kernels" or "CPU host trace"
+    steps: int
+    step_ms: float
+    compute_ms: float  # less data loading and host syncs
+    comm_ms: float  # collectives in flight (union)
+    wait_ms: float  # blocked or idle: the step less compute
+    exposed_comm_ms: float  # communication not hidden under compute
+    data_ms: float
+    host_sync_ms: float
+    host_syncs: float  # host synchronisations per step
+    collectives: float  # per step
+    comm_bytes: float  # per step (0 when the trace does not say)
+    top_ops: list[tuple[str, float]] = field(default_factory=list)  # (operator, self ms per step)
+    step_collectives: list[Collective] = field(default_factory=list)  # of the last profiled step
+
+    @property
+    def overlap_pct(self) -> float:
+        """Share of communication time hidden under compute."""
+        return 100.0 * (1 - self.exposed_comm_ms / self.comm_ms) if self.comm_ms > 0 else 0.0
+
+
+def _rank_of(path: Path) -> int:
+    m = re.search(r"rank(\d+)", path.name)
+    if m:
+        return int(m.group(1))
+    info = load_json(path).get("distributedInfo", {})
+    return int(info.get("rank", 0)) if isinstance(info, dict) else 0
+
+
+def trace_files(traces: str | Path | Sequence[str | Path]) -> list[tuple[int, Path | None, Path | None]]:
+    """(rank, host trace, device trace) of one run: from a directory, or a list of trace paths."""
+    from labkit.trace.device import device_trace_path
+
+    if isinstance(traces, (str, Path)):
+        root = Path(traces)
+        if not root.is_dir():
+            raise ValueError(f"{root} is not a directory of traces; pass the folder capture wrote, or a list of paths")
+        paths = sorted(p for p in root.iterdir() if p.name.endswith((".json", ".json.gz")))
+    else:
+        paths = [Path(p) for p in traces]
+    if not paths:
+        raise ValueError(f"no trace files in {traces!r}: capture a run first (labkit.trace.capture)")
+    by_rank: dict[int, list[Path | None]] = {}
+    for p in paths:
+        if not p.exists():
+            raise ValueError(f"{p} does not exist")
+        device = ".device." in p.name
+        entry = by_rank.setdefault(_rank_of(p), [None, None])
+        entry[1 if device else 0] = p
+    for entry in by_rank.values():
+        if entry[0] is not None and entry[1] is None and device_trace_path(entry[0]).exists():
+            entry[1] = device_trace_path(entry[0])
+    return [(r, h, d) for r, (h, d) in sorted(by_rank.items())]
+
+
+def _total(intervals: list[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _clip(events: list[TraceEvent], lo: float, hi: float) -> list[Interval]:
+    return [(max(e.start_us, lo), min(e.end_us, hi)) for e in events if e.end_us > lo and e.start_us < hi]
+
+
+def _self_times(host: Trace, lo: float, hi: float) -> dict[str, float]:
+    """Self time (us) of each CPU operator within [lo, hi]: its time less its children's, thread by thread."""
+    out: dict[str, float] = collections.defaultdict(float)
+    by_thread: dict[Any, list[TraceEvent]] = collections.defaultdict(list)
+    for e in host.events:
+        if e.category == "cpu_op" and lo <= e.start_us < hi:
+            by_thread[(e.pid, e.tid)].append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e.start_us, -e.dur_us))
+        stack: list[list[Any]] = []  # [event, children time]
+        for e in evs:
+            while stack and stack[-1][0].end_us <= e.start_us:
+                done, child = stack.pop()
+                out[done.name] += done.dur_us - child
+            if stack:
+                stack[-1][1] += e.dur_us
+            stack.append([e, 0.0])
+        for done, child in stack:
+            out[done.name] += done.dur_us - child
+    return out
+
+
+def _named(host: Trace | None, lo: float, hi: float, names: tuple[str, ...], prefix: bool) -> list[Interval]:
+    if host is None:
+        return []
+    hits = [e for e in host.events if (e.name.startswith(names) if prefix else e.name in names)]
+    return union(_clip(hits, lo, hi))
+
+
+def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdown:
+    """From the emulated device timeline (virtual time), with names from the host trace."""
+    rows = []
+    for i, s in enumerate(dev.steps):
+        lo, hi = s.start_us, s.end_us
+        compute = union(_clip([e for e in dev.events if e.name == "compute"], lo, hi))
+        comm_events = [e for e in dev.events if e.category == COMM_CATEGORY and lo <= e.start_us < hi]
+        comm = union(_clip(comm_events, lo, hi))
+        waits = subtract([(lo, hi)], compute)
+        phases = [e for e in dev.events if e.category == PHASE_CATEGORY and lo <= e.start_us < hi]
+        data = union(_clip([e for e in phases if e.name.startswith(DATA_PREFIXES)], lo, hi))
+        colls = []
+        for e in comm_events:
+            waited = _total([(max(a, e.start_us), min(b, e.end_us)) for a, b in waits if b > e.start_us and a < e.end_us])
+            after = _total(subtract(compute, [(lo, e.end_us)]))
+            before = _total(subtract(compute, [(e.start_us, hi)]))
+            during = _total(compute) - before - after
+            colls.append(Collective(e.name.removeprefix("comm:"), (e.start_us - lo) / 1e3, (e.end_us - lo) / 1e3,
+                                    (e.args or {}).get("bytes"), waited / 1e3, before / 1e3, after / 1e3,
+                                    during / 1e3))
+        host_step = host.steps[i] if host is not None and i < len(host.steps) else None
+        syncs = _named(host, host_step.start_us, host_step.end_us, HOST_SYNC_OPS, False) if host_step else []
+        rows.append(dict(step=(hi - lo) / 1e3, compute=(_total(compute) - _total(data)) / 1e3, comm=_total(comm) / 1e3,
+                         wait=_total(waits) / 1e3, exposed=_total(subtract(comm, compute)) / 1e3,
+                         data=_total(data) / 1e3, sync=_total(syncs) / 1e3, nsync=len(syncs), colls=colls,
+                         bytes=sum(c.nbytes or 0 for c in colls), host_step=host_step))
+    return _combine(rank, "emulated device timeline", rows, host)
+
+
+def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
+    """From a host trace: GPU kernels when there are any, else the CPU lanes."""
+    kernels = [e for e in host.events if e.category == "kernel"]
+    source = "GPU kernels" if kernels else "CPU host trace"
+    rows = []
+    for s in host.steps:
+        lo, hi = s.start_us, s.end_us
+        if kernels:
+            nccl = [e for e in kernels if "nccl" in e.name.lower()]
+            comm = union(_clip(nccl, lo, hi))
+            compute = union(_clip([e for e in kernels if "nccl" not in e.name.lower()], lo, hi))
+            ncoll = len([e for e in nccl if lo <= e.start_us < hi])
+            colls = []
+        else:
+            lanes = step_lanes(host, s.number)
+            compute = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["compute"]]
+            comm = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["comm"]]
+            comm_events = [e for e in host.lane("comm") if lo <= e.start_us < hi and e.category == COMM_CATEGORY]
+            ncoll = len(comm_events) or len([e for e in host.lane("comm") if lo <= e.start_us < hi
+                                                  and e.name.startswith("c10d::")])
+            colls = []
+        data = _named(host, lo, hi, DATA_PREFIXES, True)
+        syncs = _named(host, lo, hi, HOST_SYNC_OPS, False)
+        busy = union(compute + comm)
+        rows.append(dict(step=(hi - lo) / 1e3, compute=max(0.0, _total(compute) - (0 if kernels else _total(data))) / 1e3,
+                         comm=_total(comm) / 1e3, wait=_total(subtract([(lo, hi)], busy if kernels else compute)) / 1e3,
+                         exposed=_total(subtract(comm, compute)) / 1e3, data=_total(data) / 1e3,
+                         sync=_total(syncs) / 1e3, nsync=len(syncs), colls=colls, ncoll=ncoll, bytes=0, host_step=s))
+    return _combine(rank, source, rows, host)
+
+
+def _combine(rank: int, source: str, rows: list[dict], host: Trace | None) -> RankBreakdown:
+    if not rows:
+        raise ValueError(f"rank {rank}'s trace has no ProfilerStep#N windows; capture it with labkit.trace.capture")
+    n = len(rows)
+
+    def mean(key: str) -> float:  # the median over steps: one step with a slow moment of the host does not count
+        return statistics.median(r[key] for r in rows)
+
+    top: dict[str, float] = collections.defaultdict(float)
+    if host is not None:
+        for r in rows:
+            if r["host_step"] is not None:
+                for name, us in _self_times(host, r["host_step"].start_us, r["host_step"].end_us).items():
+                    top[name] += us / 1e3 / n
+    ncoll = [r.get("ncoll", len(r["colls"])) for r in rows]
+    return RankBreakdown(
+        rank=rank, source=source, steps=n, step_ms=statistics.median(r["step"] for r in rows),
+        compute_ms=mean("compute"), comm_ms=mean("comm"), wait_ms=mean("wait"), exposed_comm_ms=mean("exposed"),
+        data_ms=mean("data"), host_sync_ms=mean("sync"), host_syncs=mean("nsync"), collectives=sum(ncoll) / n,
+        comm_bytes=mean("bytes"), top_ops=sorted(top.items(), key=lambda kv: -kv[1])[:8],
+        step_collectives=rows[-1]["colls"])
+
+
+def analyze(traces: str | Path | Sequence[str | Path]) -> list[RankBreakdown]:
+    """Per rank (in rank order), where its profiled steps went; see the module docstring."""
+    out = []
+    for rank, host_path, dev_path in trace_files(traces):
+        host = read_trace(host_path, rank=rank) if host_path is not None else None
+        if dev_path is not None:
+            out.append(_device_breakdown(read_trace(dev_path, rank=rank), host, rank))
+        else:
+            out.append(_host_breakdown(host, rank))
+    return out
