@@ -1,0 +1,204 @@
+"""Lab 05's driver: data-parallel training runs with a bottleneck planted, each captured as traces.
+
+`mystery_runs(config, runs, ...)` runs on every rank (launch it with `labkit.launch`). Each run trains
+its own copy of the same seeded GPT under torch DDP for a few steps, profiled with `labkit.trace.capture`
+(host trace and, on the emulated cluster, the device timeline), one folder of per-rank traces per run.
+A run is `(bottleneck, fixed)`: `bottleneck` one of `BOTTLENECKS` (None: the clean job), `fixed` applies
+the fix that a trace of it points to. The planted mistakes, each seen in real jobs:
+
+* "straggler": one rank (`straggler_rank`) also evaluates a held-out batch (3x the training batch, forward
+  only) every step; fixed: the evaluation is shared out, each rank takes its part;
+* "data_loading": every sample is "tokenized" in the training process, a slow per-sample Python loop
+  inside the DataLoader (num_workers=0), about half a step's compute (`passes`: None measures it); fixed:
+  the samples are prepared once, before training;
+* "small_collectives": no DDP; every gradient all-reduced on its own after backward; fixed: DDP's buckets;
+* "sync_collective": for a logging metric the logits are all-gathered, synchronously, between forward
+  and backward; fixed: the metric is computed locally and its all-reduce issued asynchronously,
+  waited for at the end of the step;
+* "host_sync": `loss.item()` every step. On a GPU this drains the launch queue; on the emulated
+  cluster compute is synchronous, so it costs nothing there (and `diagnose` rightly finds nothing).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit import runtime, validate
+from labkit.experiments.common import seeded_model
+from labkit.models import GPTConfig, synthetic_batch
+from labkit.parallel.data import allreduce_gradients_naive
+from labkit.trace.capture import capture
+from labkit.trace.phases import phase
+
+__all__ = ["BOTTLENECKS", "FIXES", "SequenceDataset", "mystery_runs"]
+
+BOTTLENECKS = (None, "straggler", "data_loading", "small_collectives", "sync_collective", "host_sync")
+FIXES = {
+    None: "nothing to fix",
+    "straggler": "share the extra evaluation out over every rank",
+    "data_loading": "prepare the samples once, before training (or in DataLoader workers)",
+    "small_collectives": "let DDP all-reduce gradients in buckets during backward",
+    "sync_collective": "compute the metric locally; all-reduce it asynchronously, wait at the end of the step",
+    "host_sync": "keep the loss on the device; read it every N steps",
+}
+
+
+class SequenceDataset(torch.utils.data.Dataset):
+    """The sequences a rank trains on (its rows of `synthetic_batch`), one sample at a time.
+
+    `passes` > 0 plants a slow tokenizer: each sample is written out as text and parsed back that many
+    times, in Python, when it is fetched, as a tokenizer run inside the training loop would.
+    `prepare()` does that work once, up front (the fix).
+    """
+
+    def __init__(self, config: GPTConfig, samples: int, seed: int, passes: int = 0) -> None:
+        self.x, self.y = synthetic_batch(config, samples, seed=seed)
+        self.vocab = config.vocab_size
+        self.passes = passes
+        self._ready: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def _tokenize(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.x[i].tolist()
+        for _ in range(self.passes):  # text -> tokens, as a slow tokenizer would
+            text = " ".join(f"t{t:05d}" for t in tokens)
+            tokens = [int(word[1:]) % self.vocab for word in text.split()]
+        return torch.tensor(tokens), self.y[i]
+
+    def prepare(self) -> SequenceDataset:
+        self._ready = [self._tokenize(i) for i in range(len(self))]
+        return self
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ready[i] if self._ready is not None else self._tokenize(i)
+
+
+class _Job:
+    """One run on this rank: its own seeded model (under DDP, or not), data, optimizer and planted mistake."""
+
+    def __init__(self, config: GPTConfig, bottleneck: str | None, fixed: bool, *, batch_size: int, batches: int,
+                 straggler_rank: int, passes: int, bucket_cap_mb: float, seed: int,
+                 group: dist.ProcessGroup | None) -> None:
+        self.bottleneck, self.fixed, self.group = bottleneck, fixed, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.straggler_rank = straggler_rank
+        self.dev = dev = runtime.device()
+        self.model = seeded_model(config, seed, dev)
+        self.naive = bottleneck == "small_collectives" and not fixed
+        self.ddp = self.model if self.naive else DistributedDataParallel(
+            self.model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
+            process_group=group)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        if bottleneck == "data_loading" and passes is None:
+            passes = self._passes_for_half_the_compute(config, batch_size, seed)
+        data = SequenceDataset(config, batch_size * batches, seed * 1000 + self.rank,
+                               passes if bottleneck == "data_loading" else 0)
+        if bottleneck == "data_loading" and fixed:
+            data.prepare()  # before training: in no step
+        self.batches = iter(torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=0))
+        # the straggler's held-out batch: 3 x the training batch, forward only, about as much work as a step
+        self.val_x, self.val_y = synthetic_batch(config, 3 * batch_size, seed=seed + 7, device=dev)
+
+    def _passes_for_half_the_compute(self, config: GPTConfig, batch_size: int, seed: int) -> int:
+        """Tokenizer passes per sample that cost about half a training step's compute (CPU time), so that
+        the planted data loading is the bottleneck at any model size."""
+        x, y = synthetic_batch(config, batch_size, seed=seed, device=self.dev)
+        t0 = time.thread_time()
+        self.model(x, y).backward()
+        runtime.synchronize()
+        step_s = time.thread_time() - t0
+        self.model.zero_grad(set_to_none=True)
+        probe = SequenceDataset(config, 4, seed, passes=20)
+        t0 = time.thread_time()
+        for i in range(len(probe)):
+            probe[i]
+        per_pass = (time.thread_time() - t0) / (4 * 20)
+        return max(1, round(0.5 * step_s / (batch_size * per_pass)))
+
+    def step(self) -> None:
+        dev, group = self.dev, self.group
+        with phase("data"):
+            x, y = next(self.batches)
+            x, y = x.to(dev), y.to(dev)
+        self.opt.zero_grad()
+        logits = self.ddp(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        stats_work = None
+        if self.bottleneck == "sync_collective":
+            with phase("logging"):
+                if self.fixed:  # a local metric, reduced asynchronously: nothing waits for it until the end
+                    stats = torch.stack([(logits.argmax(-1) == y).float().sum(), torch.tensor(float(y.numel()))])
+                    stats_work = dist.all_reduce(stats.to(dev), group=group, async_op=True)
+                else:  # every rank's logits gathered to score a global accuracy, synchronously
+                    everyone = torch.empty((self.world * len(logits), *logits.shape[1:]), dtype=logits.dtype,
+                                           device=dev)
+                    dist.all_gather_single(everyone, logits.detach().contiguous(), group=group)
+                    (everyone.argmax(-1) == y.repeat(self.world, 1)).float().mean()
+        loss.backward()
+        if self.naive:
+            allreduce_gradients_naive(self.model, group)
+        self.opt.step()
+        if self.bottleneck == "straggler":
+            with phase("evaluation"), torch.no_grad():
+                if self.fixed:  # every rank evaluates its share of the held-out batch
+                    n = len(self.val_x)
+                    share = slice(self.rank * n // self.world, (self.rank + 1) * n // self.world)
+                    self.model(self.val_x[share], self.val_y[share])
+                elif self.rank == self.straggler_rank:
+                    self.model(self.val_x, self.val_y)
+        if self.bottleneck == "host_sync" and not self.fixed:
+            loss.item()  # the host waits for the device here, every step
+        if stats_work is not None:
+            stats_work.wait()
+
+
+def mystery_runs(config: GPTConfig, runs: Sequence[tuple[str | None, bool]], trace_dir: str, *, batch_size: int = 8,
+                 steps: int = 3, warmup: int = 1, trace_steps: int = 3, straggler_rank: int = 1,
+                 passes: int | None = None,
+                 bucket_cap_mb: float = 0.25, seed: int = 0,
+                 process_group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
+    """Every rank: time each run `(bottleneck, fixed)`, then trace it into `trace_dir/<name>/`.
+
+    First `warmup + steps` steps of every run, taking turns step by step (so that a slow moment of the
+    machine hits them all alike), timed on `labkit.runtime.clock` without a profiler; then each run's
+    `trace_steps` more steps under `capture` (after one profiled warm-up step). Returns this rank's step times (ms) and trace folder per run.
+    """
+    validate.positive_int("steps", steps, "mystery_runs(..., steps=3)")
+    validate.positive_int("trace_steps", trace_steps, "mystery_runs(..., trace_steps=2)")
+    for bottleneck, _ in runs:
+        validate.one_of("bottleneck", bottleneck, BOTTLENECKS, 'mystery_runs(config, [("straggler", False)], dir)')
+    world = dist.get_world_size(process_group)
+    if not 0 <= straggler_rank < world:
+        raise ValueError(f"straggler_rank={straggler_rank} must be a rank of the group, 0..{world - 1}")
+    jobs = [_Job(config, b, f, batch_size=batch_size, batches=warmup + steps + 1 + trace_steps,
+                 straggler_rank=straggler_rank, passes=passes, bucket_cap_mb=bucket_cap_mb, seed=seed,
+                 group=process_group) for b, f in runs]
+    times: list[list[float]] = [[] for _ in jobs]
+    for _ in range(warmup + steps):
+        for job, t in zip(jobs, times):
+            dist.barrier(group=process_group)
+            t0 = runtime.clock()
+            job.step()
+            t.append((runtime.clock() - t0) * 1e3)
+    out = []
+    for job, t in zip(jobs, times):
+        name = (f"{job.bottleneck or 'clean'}{f'_rank{straggler_rank}' if job.bottleneck == 'straggler' else ''}"
+                f"{'_fixed' if job.fixed else ''}")
+        dist.barrier(group=process_group)
+        # one profiled warm-up step first: the traced steps are in the steady state (e.g. a fast rank already
+        # waits for a straggler's previous step)
+        path = capture(job.step, steps=trace_steps, warmup=1, path=Path(trace_dir) / name / "trace_rank{rank}.json")
+        out.append({"bottleneck": job.bottleneck, "fixed": job.fixed, "traces": str(path.parent),
+                    "step_ms": t[warmup:], "median_ms": statistics.median(t[warmup:]), "rank": job.rank})
+    return out
