@@ -26,6 +26,7 @@ SUM = ("00_cluster_tour", "def sum_over_ranks", "check_sum_over_ranks(results")
 ACCUMULATE = ("02_oom_batch", "def accumulate(ddp, batches)", "check_accumulation(fixed")
 DDP_HOOK = ("03_unoverlapped_comms", "class MyOverlappedDDP", "check_overlapped_ddp(drill")
 BALANCE = ("04_imbalanced_pipeline", "def my_balance(costs, stages)", "check_balance(my_balance")
+STRAGGLER = ("05_unprofiled_run", "def my_find_straggler(breakdown)", "check_find_straggler(my_find_straggler")
 
 _DP = ("    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]", "    return sizes[::-1]")
 _GREEDY = """    target, sizes, count, total = sum(costs) / stages, [], 0, 0.0
@@ -82,6 +83,17 @@ MISTAKES = {
     "bad input not refused": (BALANCE, {"    if stages > n:\n        raise ValueError(": "    if False:\n        raise ValueError(",
                                         "            raise ValueError(f\"costs[{i}]": "            pass  # (f\"costs[{i}]"},
                               "raise ValueError"),
+    "step times compared": (STRAGGLER, {"key=lambda b: b.compute_ms)": "key=lambda b: b.step_ms)",
+                                        "[b.compute_ms for b in": "[b.step_ms for b in",
+                                        "ratio = slow.compute_ms /": "ratio = slow.step_ms /"}, "compute_ms"),
+    "the waiting rank named": (STRAGGLER, {"key=lambda b: b.compute_ms)": "key=lambda b: b.wait_ms)",
+                                           "[b.compute_ms for b in": "[b.wait_ms for b in",
+                                           "ratio = slow.compute_ms /": "ratio = slow.wait_ms /"}, "waits the most"),
+    "no threshold": (STRAGGLER, {"return (slow.rank, ratio) if ratio >= 1.25 else None": "return (slow.rank, ratio)"},
+                     "noise"),
+    "mean of every rank": (STRAGGLER, {"ratio = slow.compute_ms / statistics.median(others)":
+                                       "ratio = slow.compute_ms / statistics.mean([b.compute_ms for b in breakdown])"},
+                           "median of the other ranks"),
 }
 
 
@@ -125,7 +137,7 @@ def test_a_plausible_mistake_fails_at_its_check_with_its_hint(name, tmp_path):
     assert took < 60, f"{name}: took {took:.0f} s to fail"
 
 
-@pytest.mark.parametrize("lab,exercise,check", [SUM, ACCUMULATE, DDP_HOOK, BALANCE])
+@pytest.mark.parametrize("lab,exercise,check", [SUM, ACCUMULATE, DDP_HOOK, BALANCE, STRAGGLER])
 def test_the_right_answer_passes_the_cut_notebook(lab, exercise, check, tmp_path):
     path = tmp_path / f"{lab}.ipynb"
     nbformat.write(_mutated(lab, exercise, check, {}), path)

@@ -23,6 +23,7 @@ SMALL = {
     "02_oom_batch": {"cluster": "cpu"},
     "03_unoverlapped_comms": {"cluster": "cpu"},
     "04_imbalanced_pipeline": {"cluster": "cpu", "steps": 2},
+    "05_unprofiled_run": {"cluster": "cpu", "steps": 2},
 }
 
 
@@ -62,11 +63,17 @@ def _check_records(name: str, rec: dict) -> None:
         assert rec["sizes_after"] != rec["sizes_before"] and sum(rec["sizes_after"]) == sum(rec["sizes_before"])
         assert rec["peak_mib_gpipe"][0] > 1.3 * rec["peak_mib_1f1b"][0]  # 1F1B saves memory, not time
         assert rec["max_abs_diff"] < 1e-5
+    elif name == "05_unprofiled_run":
+        assert rec["emulated"] is True and rec["unit"] == "ms"
+        assert rec["limit"] <= rec["after"] * 1.1 and rec["after"] < rec["before"]
+        assert rec["diagnosed"] == rec["planted"]
+        assert {r["planted"]: r["diagnosed"] for r in rec["gallery"]} == {
+            k: k for k in ("straggler", "data_loading", "small_collectives", "sync_collective")}
 
 
 # Labs whose notebook checks a wall-clock ratio: on a shared 2-core runner one noisy run can
 # miss its margin, so these get one more run before the test fails.
-TIMED = {"00_cluster_tour", "03_unoverlapped_comms", "04_imbalanced_pipeline"}
+TIMED = {"00_cluster_tour", "03_unoverlapped_comms", "04_imbalanced_pipeline", "05_unprofiled_run"}
 
 
 @pytest.mark.parametrize("nb", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
