@@ -17,7 +17,7 @@ from labkit.trace.commlog import CommLog, CommSpan
 from labkit.trace.device import device_trace_path
 from labkit.trace.diagnose import Diagnosis, diagnose
 from labkit.trace.phases import phase
-from labkit.trace.plots import plot_pipeline, plot_timeline
+from labkit.trace.plots import mark_diagnosis, plot_pipeline, plot_timeline
 from labkit.trace.timeline import Step, Trace, TraceEvent, classify, overlap, read_trace, step_lanes
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "classify",
     "device_trace_path",
     "diagnose",
+    "mark_diagnosis",
     "overlap",
     "phase",
     "plot_pipeline",

@@ -1,7 +1,8 @@
 """Pictures of traces: one step per rank, a compute lane and a comm lane.
 
 `plot_timeline` draws what `timeline.py` reads; lab 03 shows it before and after the fix.
-`plot_pipeline` draws a pipeline step as a Gantt chart, one row per rank, each forward and backward
+`mark_diagnosis` marks on such a figure what `diagnose` found (lab 05). `plot_pipeline` draws a
+pipeline step as a Gantt chart, one row per rank, each forward and backward
 of each micro-batch where it ran (lab 04, from `labkit.experiments.imbalanced_pipeline`'s spans).
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from labkit.trace.timeline import Trace, overlap, read_trace, step_lanes
 
-__all__ = ["plot_pipeline", "plot_timeline"]
+__all__ = ["mark_diagnosis", "plot_pipeline", "plot_timeline"]
 
 
 def plot_timeline(
@@ -98,5 +99,33 @@ def plot_pipeline(spans_by_rank: Sequence[Sequence[tuple[str, int, int, float, f
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def mark_diagnosis(fig: Any, traces: Sequence[Trace], diagnosis: Any, step: int | None = None) -> Any:
+    """Mark a diagnosis on a `plot_timeline` figure of the same traces: the straggler's rows, the data
+    loading phases, or the collectives the ranks waited for; the verdict goes in the title."""
+    ax = fig.axes[0]
+    color = "tab:red"
+    for row, tr in enumerate(traces):
+        s = tr.step(step)
+        y = -(row * 2.6)
+        if diagnosis.kind == "straggler" and tr.rank == diagnosis.rank:
+            ax.axhspan(y - 1.5, y + 0.5, color=color, alpha=0.12)
+        if diagnosis.kind == "data_loading":
+            for e in tr.events:
+                if e.category == "labkit_phase" and e.name.startswith("phase:data") and s.start_us <= e.start_us < s.end_us:
+                    a = (e.start_us - s.start_us) / 1e3
+                    ax.broken_barh([(a, e.dur_us / 1e3)], (y - 0.45, 0.9), facecolor="none", edgecolor=color,
+                                   hatch="//", linewidth=1.0)
+        if diagnosis.kind in ("sync_collective", "small_collectives"):
+            for e in tr.lane("comm"):
+                if s.start_us <= e.start_us < s.end_us:
+                    a = (e.start_us - s.start_us) / 1e3
+                    ax.broken_barh([(a, e.dur_us / 1e3)], (y - 1.45, 0.9), facecolor="none", edgecolor=color,
+                                   linewidth=1.0)
+    who = "" if diagnosis.rank is None else f" on rank {diagnosis.rank}"
+    ax.set_title(f"{ax.get_title()}\ndiagnosis: {diagnosis.kind}{who} (marked in red)", fontsize=10)
     fig.tight_layout()
     return fig
