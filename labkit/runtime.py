@@ -36,6 +36,7 @@ __all__ = [
     "on_virtual_clock",
     "peak_bytes",
     "reset_peak_memory_stats",
+    "share_one_core",
     "synchronize",
 ]
 
@@ -137,6 +138,27 @@ def _pin_to_one_core(rank: int) -> None:
         cores = sorted(os.sched_getaffinity(0))
         if cores:
             os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def share_one_core() -> bool:
+    """Move this emulated rank onto the first core of the job (every rank that calls it shares that core).
+
+    The virtual clock counts each rank's CPU time on its own core, and two cores of a shared host do not
+    always run at the same speed: after minutes at full load this machine's two cores ran 1.3-1.6x apart for
+    tens of seconds, enough to hide a rank doing twice the work or to fake one. Ranks that must be compared
+    with each other (lab 05's straggler) can share one core instead; each still counts only its own CPU time,
+    so virtual times stay per rank, and only the wall time grows. Returns whether it moved (not on GPUs,
+    not off the virtual clock, not where affinity cannot be set).
+    """
+    if not on_virtual_clock() or not hasattr(os, "sched_setaffinity"):
+        return False
+    # The rank was pinned to one core at start; the process that started it (the launcher's fork
+    # server) still has the job's whole set of cores.
+    cores = sorted(os.sched_getaffinity(os.getppid()))
+    if not cores:
+        return False
+    os.sched_setaffinity(0, {cores[0]})
+    return True
 
 
 # glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3.

@@ -17,6 +17,11 @@ PLANTED = [(None, "none"), ("straggler", "straggler"), ("data_loading", "data_lo
            ("host_sync", "none")]  # compute is synchronous on the emulated cluster: a host sync costs nothing
 
 
+def _table(found) -> str:
+    return "; ".join(f"rank {b.rank} ({b.source}): step {b.step_ms:.1f} compute {b.compute_ms:.1f} data {b.data_ms:.1f} "
+                     f"wait {b.wait_ms:.1f} ms, {b.collectives:.0f} collectives" for b in found.breakdown)
+
+
 def _runs(config, plan, tmp_path, **kw):
     per_rank = launch(mystery_runs, config, plan, str(tmp_path), steps=2, trace_steps=3, world_size=2,
                       cluster=Cluster.emulated(gpus_per_node=2), timeout_s=120, deadline_s=300, **kw)
@@ -29,7 +34,7 @@ def test_diagnose_names_every_planted_bottleneck(n_layers, d_model, tmp_path):
     plan = [(b, False) for b, _ in PLANTED]
     for (planted, expected), run in zip(PLANTED, _runs(config, plan, tmp_path)):
         found = diagnose(Path(run[0]["traces"]))
-        assert found.kind == expected, f"{planted}: diagnosed {found}"
+        assert found.kind == expected, f"{planted}: diagnosed {found}; {_table(found)}"
         if expected == "straggler":
             assert found.rank == 1 and "rank 1 computes" in found.evidence
         assert len(found.breakdown) == 2 and found.breakdown[0].source == "emulated device timeline"
@@ -46,6 +51,7 @@ def test_a_straggler_on_rank_0_and_the_fixes(tmp_path):
         before = max(r["median_ms"] for r in runs[i])
         after = max(r["median_ms"] for r in runs[len(kinds) + i])
         assert after < before, f"{kind}: fixed {after:.1f} ms, planted {before:.1f} ms"
-        assert diagnose(Path(runs[len(kinds) + i][0]["traces"])).kind == "none", kind
+        fixed = diagnose(Path(runs[len(kinds) + i][0]["traces"]))
+        assert fixed.kind == "none", f"{kind} fixed: {fixed}; {_table(fixed)}"
     with pytest.raises(ValueError, match="bottleneck"):
         mystery_runs(config, [("slow_disk", False)], str(tmp_path))

@@ -57,7 +57,12 @@ class PipelineRankResult:
 
 
 def _clock_spans(stages: list, spans: list, sent: list[int]) -> None:
-    """Record each forward and backward chunk of `stages` on runtime.clock, and the bytes each sends."""
+    """Record each forward and backward chunk of `stages` on runtime.clock, and the bytes each sends.
+
+    torch.distributed.pipelining has no per-micro-batch hook; every schedule calls these public methods of
+    the stage once per micro-batch (schedules.py: `forward_one_chunk`, `backward_one_chunk`, `get_*_send_ops`),
+    so wrapping them on the instance times exactly the stage's own work, without the waits around it.
+    """
     for stage in stages:
         for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
             inner = getattr(stage, name)

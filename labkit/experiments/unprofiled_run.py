@@ -165,14 +165,15 @@ class _Job:
 
 def mystery_runs(config: GPTConfig, runs: Sequence[tuple[str | None, bool]], trace_dir: str, *, batch_size: int = 8,
                  steps: int = 3, warmup: int = 1, trace_steps: int = 3, straggler_rank: int = 1,
-                 passes: int | None = None,
-                 bucket_cap_mb: float = 0.25, seed: int = 0,
+                 passes: int | None = None, bucket_cap_mb: float = 0.25, seed: int = 0, same_core: bool = True,
                  process_group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
     """Every rank: time each run `(bottleneck, fixed)`, then trace it into `trace_dir/<name>/`.
 
     First `warmup + steps` steps of every run, taking turns step by step (so that a slow moment of the
     machine hits them all alike), timed on `labkit.runtime.clock` without a profiler; then each run's
-    `trace_steps` more steps under `capture` (after one profiled warm-up step). Returns this rank's step times (ms) and trace folder per run.
+    `trace_steps` more steps under `capture` (after one profiled warm-up step). `same_core`: on the emulated
+    cluster all ranks share one core (`labkit.runtime.share_one_core`), so that a slow core is not taken for
+    a straggler, at twice the wall time. Returns this rank's step times (ms) and trace folder per run.
     """
     validate.positive_int("steps", steps, "mystery_runs(..., steps=3)")
     validate.positive_int("trace_steps", trace_steps, "mystery_runs(..., trace_steps=2)")
@@ -181,6 +182,8 @@ def mystery_runs(config: GPTConfig, runs: Sequence[tuple[str | None, bool]], tra
     world = dist.get_world_size(process_group)
     if not 0 <= straggler_rank < world:
         raise ValueError(f"straggler_rank={straggler_rank} must be a rank of the group, 0..{world - 1}")
+    if same_core:
+        runtime.share_one_core()
     jobs = [_Job(config, b, f, batch_size=batch_size, batches=warmup + steps + 1 + trace_steps,
                  straggler_rank=straggler_rank, passes=passes, bucket_cap_mb=bucket_cap_mb, seed=seed,
                  group=process_group) for b, f in runs]
