@@ -17,6 +17,24 @@ from labkit.trace.timeline import Trace, overlap, read_trace, step_lanes
 __all__ = ["mark_diagnosis", "plot_pipeline", "plot_timeline"]
 
 
+def _axes(ax: Any, height: float) -> tuple[Any, Any]:
+    """A 10-inch-wide figure of `height` inches, or the figure of the axes given."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        return plt.subplots(figsize=(10, height))
+    return ax.figure, ax
+
+
+def _finish(fig: Any, ax: Any, title: str) -> Any:
+    ax.set_xlabel("ms from the start of the step")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def plot_timeline(
     traces_by_rank: Sequence[Trace | str | Path] | Mapping[int, Trace | str | Path],
     ax: Any = None,
@@ -28,16 +46,11 @@ def plot_timeline(
     Accepts traces or trace paths, as a list in rank order or a {rank: trace} mapping.
     Returns the matplotlib Figure.
     """
-    import matplotlib.pyplot as plt
-
     items = traces_by_rank.items() if isinstance(traces_by_rank, Mapping) else enumerate(traces_by_rank)
     rows = [(r, t if isinstance(t, Trace) else read_trace(t)) for r, t in items]
     if not rows:
         raise ValueError("plot_timeline got no traces; pass [read_trace(p) for p in paths].")
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 0.9 + 0.8 * len(rows)))
-    else:
-        fig = ax.figure
+    fig, ax = _axes(ax, 0.9 + 0.8 * len(rows))
 
     colors = {"compute": "tab:blue", "comm": "tab:orange"}
     yticks, ylabels, x_max = [], [], 0.0
@@ -60,12 +73,7 @@ def plot_timeline(
         )
     ax.set_yticks(yticks, ylabels)
     ax.set_xlim(0, x_max * 1.15 if x_max > 0 else 1)
-    ax.set_xlabel("ms from the start of the step")
-    ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def plot_pipeline(spans_by_rank: Sequence[Sequence[tuple[str, int, int, float, float]]], step_ms: float | None = None,
@@ -73,14 +81,9 @@ def plot_pipeline(spans_by_rank: Sequence[Sequence[tuple[str, int, int, float, f
     """A Gantt chart of one pipeline step: per rank, its forward ("F") and backward ("B") spans
     `(kind, stage, micro_batch, start_ms, end_ms)`, labelled with the micro-batch; white is idle.
     Returns the matplotlib Figure."""
-    import matplotlib.pyplot as plt
-
     if not spans_by_rank:
         raise ValueError("plot_pipeline got no ranks; pass summary.spans from summarize_pipeline.")
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 0.8 + 0.55 * len(spans_by_rank)))
-    else:
-        fig = ax.figure
+    fig, ax = _axes(ax, 0.8 + 0.55 * len(spans_by_rank))
     end = step_ms if step_ms is not None else max((e for spans in spans_by_rank for *_, e in spans), default=1.0)
     shades = {"F": ("tab:blue", "lightsteelblue"), "B": ("tab:green", "darkseagreen")}
     for rank, spans in enumerate(spans_by_rank):
@@ -95,12 +98,7 @@ def plot_pipeline(spans_by_rank: Sequence[Sequence[tuple[str, int, int, float, f
     ax.broken_barh([], (0, 0), facecolor="tab:green", label="backward")
     ax.set_yticks([-r for r in range(len(spans_by_rank))], [f"rank {r}" for r in range(len(spans_by_rank))])
     ax.set_xlim(0, end * 1.12)
-    ax.set_xlabel("ms from the start of the step")
-    ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def mark_diagnosis(fig: Any, traces: Sequence[Trace], diagnosis: Any, step: int | None = None) -> Any:
