@@ -192,7 +192,6 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
             comm = union(_clip(nccl, lo, hi))
             compute = union(_clip([e for e in kernels if "nccl" not in e.name.lower()], lo, hi))
             ncoll = len([e for e in nccl if lo <= e.start_us < hi])
-            colls = []
         else:
             lanes = step_lanes(host, s.number)
             compute = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["compute"]]
@@ -200,14 +199,13 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
             comm_events = [e for e in host.lane("comm") if lo <= e.start_us < hi and e.category == COMM_CATEGORY]
             ncoll = len(comm_events) or len([e for e in host.lane("comm") if lo <= e.start_us < hi
                                                   and e.name.startswith("c10d::")])
-            colls = []
         data = _named(host, lo, hi, DATA_PREFIXES, True)
         syncs = _named(host, lo, hi, HOST_SYNC_OPS, False)
         busy = union(compute + comm)
         rows.append(dict(step=(hi - lo) / 1e3, compute=max(0.0, _total(compute) - (0 if kernels else _total(data))) / 1e3,
                          comm=_total(comm) / 1e3, wait=_total(subtract([(lo, hi)], busy if kernels else compute)) / 1e3,
                          exposed=_total(subtract(comm, compute)) / 1e3, data=_total(data) / 1e3,
-                         sync=_total(syncs) / 1e3, nsync=len(syncs), colls=colls, ncoll=ncoll, bytes=0, host_step=s))
+                         sync=_total(syncs) / 1e3, nsync=len(syncs), colls=[], ncoll=ncoll, bytes=0, host_step=s))
     return _combine(rank, source, rows, host)
 
 
