@@ -14,6 +14,7 @@ its formula, the imbalance, and the ideal pipeline's time for the same work (the
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -122,17 +123,15 @@ def _reference_errors(config: GPTConfig, seed: int, x: torch.Tensor, y: torch.Te
 
 
 def _peak_of(step: Callable[[], None]) -> int:
-    """Bytes a step adds at its peak: CUDA's allocator on a GPU, an emulated budget on the CPU."""
-    if runtime.on_gpu():
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    """Bytes a step adds at its peak, from `labkit.runtime`'s memory stats: CUDA's allocator on a GPU; on the
+    CPU an emulated budget opened for the step, which counts the tensors made inside it (the step's own)."""
+    with contextlib.nullcontext() if runtime.on_gpu() else emulate.MemoryBudget(2**50):
+        runtime.synchronize()
+        base = runtime.memory_allocated()
+        runtime.reset_peak_memory_stats()
         step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    with emulate.MemoryBudget(2**50) as budget:  # counts the tensors made inside it: the step's own
-        step()
-    return budget.peak
+        runtime.synchronize()
+        return runtime.max_memory_allocated() - base
 
 
 Plan = tuple[Sequence[int], int, str]  # (layers per stage, micro-batches, schedule)
