@@ -2,7 +2,9 @@
 
 `Cluster.detect()` reads the real machine; `Cluster.emulated(...)` describes a pretend one;
 `Cluster.resolve("auto" | "cpu" | "gpu" | Cluster, world_size)` is what `labkit.launch`
-uses to pick one, and it says which it picked.
+uses to pick one, and it says which it picked. `Cluster.preset("dgx-a100-80gb", nodes=192)`
+describes a published machine nobody here has (`kind="described"`): `labkit.planner` plans for
+it, `launch` refuses it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from labkit import calibrate, gpu_links, validate
 from labkit.links import FLOP_PER_BYTE_INTER, FLOP_PER_BYTE_INTRA, Link, Topology, default_links
 
-__all__ = ["GPU", "Cluster"]
+__all__ = ["GPU", "PRESETS", "Cluster"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Cluster:
     nccl_version: str | None = None
     reason: str = ""
     clock: str = "virtual"  # emulated only: "virtual" (the rank's device clock) or "wall"
+    peak_tflops: float | None = None  # described only: dense 16-bit peak per GPU (datasheet)
+    gpu_name: str = ""  # described only
 
     # -- construction ----------------------------------------------------------
 
@@ -90,6 +94,19 @@ class Cluster:
         )
 
     @classmethod
+    def preset(cls, name: str, nodes: int = 1) -> "Cluster":
+        """A published system, to plan for (`labkit.planner.plan`), never to run on.
+
+        Known names: see `PRESETS` ("dgx-a100-80gb", "dgx-h100", "dgx-h200"); `nodes` of them.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}. "
+                             "For another machine build Cluster(kind='described', nodes=..., gpus_per_node=..., "
+                             "intra_node=Link(...), inter_node=Link(...), memory_gib=..., peak_tflops=...)")
+        validate.positive_int("Cluster.preset nodes", nodes, f'Cluster.preset("{name}", nodes=2)')
+        return replace(PRESETS[name], nodes=nodes)
+
+    @classmethod
     def detect(cls) -> "Cluster":
         """The GPUs of this machine (name, memory), their topology and NCCL version.
 
@@ -128,6 +145,13 @@ class Cluster:
         validate.positive_int("world_size", world_size, "launch(fn, world_size=2), or labkit run -p world_size 2")
         if isinstance(spec, Cluster):
             cluster = spec
+            if cluster.kind == "described":
+                raise ValueError(
+                    f"cluster={cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu_name or 'GPU'} only describes a "
+                    "machine: nothing here can run on it. Plan for it with labkit.planner.plan(model, cluster, "
+                    "global_batch); to run, use cluster='cpu' (the emulated cluster), e.g. "
+                    f"Cluster.emulated(nodes={min(cluster.nodes, 2)}, gpus_per_node={min(cluster.gpus_per_node, 4)}), "
+                    "or cluster='gpu' on this machine's GPUs.")
         elif spec in ("cpu", "emulated"):
             cluster = replace(cls.emulated(gpus_per_node=world_size), reason="asked for the emulated cluster")
         elif spec in ("gpu", "auto"):
@@ -163,7 +187,9 @@ class Cluster:
 
     @property
     def label(self) -> str:
-        """Appended to every number measured on this cluster."""
+        """Appended to every number measured (or, for a described cluster, predicted) on this cluster."""
+        if self.kind == "described":
+            return "predicted, on paper"
         return "emulated" if self.is_emulated else "measured on GPU"
 
     def topology(self) -> Topology:
@@ -192,7 +218,13 @@ class Cluster:
     def describe(self) -> str:
         """A few lines for a notebook or `labkit doctor`."""
         lines = []
-        if self.is_emulated:
+        if self.kind == "described":
+            lines.append(f"Described cluster (planning only): {self.nodes} node(s) x {self.gpus_per_node} "
+                         f"{self.gpu_name}, {self.memory_gib:g} GiB and {self.peak_tflops:g} TFLOP/s (dense 16-bit) each")
+            for what, link in (("intra-node", self.intra_node), ("inter-node", self.inter_node)):
+                lines.append(f"  {what} link: {link.bandwidth_gb_s:g} GB/s per GPU per direction, "
+                             f"{link.latency_us:g} µs ({link.name})")
+        elif self.is_emulated:
             lines.append(
                 f"Emulated cluster: {self.nodes} node(s) x {self.gpus_per_node} emulated GPU(s); "
                 "one CPU process per GPU on gloo, links held to an α-β model."
@@ -243,6 +275,24 @@ class Cluster:
         d["inter_node"] = Link(**d["inter_node"])
         d["gpus"] = tuple(GPU(**g) for g in d["gpus"])
         return cls(**d)
+
+
+# Published systems (for planning only). Peak: dense bf16 Tensor Core FLOP/s without sparsity, from
+# NVIDIA's A100 datasheet (312 TFLOP/s) and H100/H200 SXM datasheets (989 TFLOP/s). Links per GPU and
+# direction: NVLink 3 on A100, 12 links x 25 GB/s = 300 GB/s; NVLink 4 on H100/H200, 18 x 25 = 450 GB/s
+# (labkit.gpu_links). Between nodes one InfiniBand port per GPU: DGX A100 has eight 200 Gb/s HDR ports
+# (25 GB/s), DGX H100/H200 eight 400 Gb/s NDR ports (50 GB/s) (NVIDIA DGX A100 and DGX H100 user
+# guides). Latencies are assumptions of a few microseconds, NCCL's order for small messages.
+_NVLINK3 = Link(300.0, 5.0, "NVLink 3 + NVSwitch")
+_NVLINK4 = Link(450.0, 5.0, "NVLink 4 + NVSwitch")
+PRESETS: dict[str, Cluster] = {
+    "dgx-a100-80gb": Cluster("described", 1, 8, _NVLINK3, Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s per GPU"),
+                             memory_gib=80.0, peak_tflops=312.0, gpu_name="A100-SXM4-80GB"),
+    "dgx-h100": Cluster("described", 1, 8, _NVLINK4, Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
+                        memory_gib=80.0, peak_tflops=989.0, gpu_name="H100-SXM5-80GB"),
+    "dgx-h200": Cluster("described", 1, 8, _NVLINK4, Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
+                        memory_gib=141.0, peak_tflops=989.0, gpu_name="H200-SXM-141GB"),
+}
 
 
 def _nvidia_smi_topo() -> str:

@@ -5,8 +5,7 @@
 Each rank is a fresh process with the default process group initialised (NCCL on a GPU
 node, the emulated link over gloo otherwise); `fn(*args, **kwargs)` runs on every rank
 and the return values come back in rank order. What the ranks print comes back too,
-prefixed with the rank, after the ranks end, rank 0 first: ranks never print over
-each other.
+prefixed with the rank, after the ranks end, rank 0 first: ranks never print over each other.
 
 How the failure cases are handled:
 
@@ -20,16 +19,14 @@ How the failure cases are handled:
   and traceback (the original exception is the `__cause__`).
 * A rank that dies (exit code, signal) is named with its code or signal.
 * A collective that never completes (one rank skipped it, or the shapes differ) ends in
-  gloo's timeout; each emulated rank leaves a record of its collectives
-  (`labkit.emulate.record`), and the error names the operation and the rank that is missing
-  or mismatched. If the other ranks have
-  already ended, the stragglers get `timeout_s` plus a few seconds, then are stopped.
+  gloo's timeout; each emulated rank leaves a record of its collectives (`labkit.emulate.record`),
+  and the error names the operation and the rank that is missing or mismatched. If the other
+  ranks have already ended, the stragglers get `timeout_s` plus a few seconds, then are stopped.
 * Ctrl-C / a kernel interrupt kills every rank before the exception propagates. Workers
   also die with the parent, even on SIGKILL: PR_SET_PDEATHSIG plus a watchdog thread.
 
-Under `torchrun` (RANK, WORLD_SIZE and the rendezvous variables are set), `launch` runs
-`fn` in the current process instead, so the same experiment scales to several nodes with
-torchrun's own rendezvous.
+Under `torchrun` (RANK, WORLD_SIZE and the rendezvous variables are set), `launch` runs `fn` in
+the current process instead, so the same experiment scales to several nodes with torchrun's rendezvous.
 
 What each rank runs, from start to exit, is `labkit.worker`; inside a rank, `labkit.runtime`.
 """
@@ -60,7 +57,10 @@ from labkit.cluster import Cluster
 from labkit.emulate import diagnose_hang
 
 __all__ = ["RankError", "launch"]
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "labkit.worker"]
+# torch.distributed.pipelining pulls in dynamo: ~1.5 s of CPU per rank, 8 ranks on 2 cores ~6 s per launch.
+# Preloaded only on a CPU build, where nothing can touch CUDA before the fork.
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "labkit.worker"] + (
+    ["torch.distributed.pipelining"] if torch.version.cuda is None else [])
 _GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
 
 
@@ -274,6 +274,8 @@ def launch(
     _validate(fn, world_size, timeout_s)
     if deadline_s is not None:
         validate.positive_number("deadline_s", deadline_s, "launch(fn, deadline_s=60), in seconds, or None")
+    if isinstance(cluster, Cluster) and cluster.kind == "described":  # planning only: resolve says so
+        Cluster.resolve(cluster, world_size)
     if _under_torchrun():
         return _run_under_torchrun(fn, args, kwargs, world_size, float(timeout_s))
     resolved = Cluster.resolve(cluster, world_size)

@@ -36,21 +36,25 @@ the batch-size finder); ``labkit.experiments.oom_batch`` is lab 02's driver.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch import nn
 
 from labkit import validate
+from labkit.activations import gpt_activations, korthikanti_activation_bytes
 from labkit.models import GPT, GPTConfig
+from labkit.parallel.tensor import check_tp_size
 
 __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "MemoryBreakdown",
     "bytes_per_param",
+    "check_model_parallel",
     "estimate",
     "gpt_activation_bytes",
     "korthikanti_activation_bytes",
+    "stage_params",
 ]
 
 _MIB = 2**20
@@ -138,84 +142,6 @@ def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> tuple[
     return p, g, master + OPTIMIZERS[optimizer] * state
 
 
-def korthikanti_activation_bytes(
-    seq_len: int,
-    micro_batch: int,
-    d_model: int,
-    n_heads: int,
-    n_layers: int = 1,
-    recompute: str = "none",
-) -> int:
-    """Activation bytes of ``n_layers`` transformer layers, Korthikanti et al. 2022, Table 2.
-
-    No tensor/sequence parallelism, 16-bit activations, dropout masks of 1 byte:
-
-    * ``"none"``: s*b*h*(34 + 5*a*s/h) per layer (section 4.1),
-    * ``"selective"`` (attention scores recomputed): 34*s*b*h per layer,
-    * ``"full"`` (only each layer's input kept): 2*s*b*h per layer.
-
-    Embeddings, the output layer and the loss are not included, as in the paper's table.
-    """
-    for name, value in [("seq_len", seq_len), ("micro_batch", micro_batch),
-                        ("d_model", d_model), ("n_heads", n_heads), ("n_layers", n_layers)]:
-        validate.positive_int(name, value)
-    s, b, h, a = seq_len, micro_batch, d_model, n_heads
-    if recompute == "none":
-        per_layer = 34 * s * b * h + 5 * a * s * s * b  # = s*b*h*(34 + 5as/h), kept exact
-    elif recompute == "selective":
-        per_layer = 34 * s * b * h
-    elif recompute == "full":
-        per_layer = 2 * s * b * h
-    else:
-        validate.one_of("recompute", recompute, ("none", "selective", "full"))
-    return n_layers * per_layer
-
-
-@dataclass(frozen=True)
-class _GPTActivations:
-    """Pieces of ``GPT``'s saved activations, in bytes (see ``gpt_activation_bytes``)."""
-
-    per_block: int  # everything one block saves (its input included)
-    block_input: int  # what a checkpointed block keeps: its input
-    head: int  # ln_f input and output, log-softmax, autocast's 16-bit lm_head weight
-    loss_temps: int  # gradients of the log-probabilities and of the logits in backward
-    block_temps: int  # gradient of the MLP hidden layer, the largest in a block's backward
-    first_block_share: float  # share of the parameters in embeddings + first block
-
-
-def _gpt_activations(config: GPTConfig, micro_batch: int, seq_len: int, precision: str) -> _GPTActivations:
-    h, f, v = config.d_model, config.ffn_dim, config.vocab_size
-    kv_dim = config.kv_heads * config.head_dim
-    act = PRECISIONS[precision][4]  # bytes of an element entering / leaving the matmuls
-    resid = 4 if precision in ("fp32", "autocast") else 2  # residual stream (parameter dtype)
-    softmax = 2 if precision == "bf16" else 4  # cross-entropy runs in fp32 unless all is bf16
-    tokens = seq_len * micro_batch
-
-    qkv = h + 2 * kv_dim
-    if kv_dim != h:
-        qkv += 2 * h  # GQA: the k, v repeated to n_heads are saved by attention as well
-    per_block = tokens * (
-        2 * h * resid  # block input (saved by ln_1) and mid-block residual (saved by ln_2)
-        + (2 * h + qkv + h + 2 * f) * act  # ln outputs, q/k/v, attention output, fc, GELU
-        + (4 + config.n_heads) * 4  # fp32 LayerNorm mean/rstd (2 x 2) and attention logsumexp
-    )
-    head = tokens * (h * resid + h * act + 2 * 4 + v * softmax)
-    if precision == "autocast":
-        # autocast saves the 16-bit copies of the Linear weights it made for the matmuls.
-        per_block += 2 * (h * (h + 2 * kv_dim) + h * h + 2 * h * f)
-        head += 2 * v * h
-    one_block = replace(config, n_layers=2).num_params() - replace(config, n_layers=1).num_params()
-    embeddings = (v + config.seq_len) * h
-    return _GPTActivations(
-        per_block=per_block,
-        block_input=tokens * h * resid,
-        head=head,
-        loss_temps=2 * tokens * v * softmax,
-        block_temps=tokens * f * act,
-        first_block_share=(one_block + embeddings) / config.num_params(),
-    )
-
-
 def gpt_activation_bytes(
     config: GPTConfig,
     micro_batch: int,
@@ -241,7 +167,7 @@ def gpt_activation_bytes(
     seq = config.seq_len if seq_len is None else seq_len
     validate.positive_int("seq_len", seq)
     validate.one_of("precision", precision, PRECISIONS)
-    parts = _gpt_activations(config, micro_batch, seq, precision)
+    parts = gpt_activations(config, micro_batch, seq, precision)
     if checkpointing:
         return config.n_layers * parts.block_input + parts.per_block + parts.head
     return config.n_layers * parts.per_block + parts.head
@@ -264,6 +190,9 @@ def estimate(
     checkpointing: bool = False,
     keep_grads: bool = False,
     activations: str = "gpt",
+    tp: int = 1,
+    pp: int = 1,
+    micro_batches: int | None = None,
 ) -> MemoryBreakdown:
     """Per-rank training memory from formulas (no tensors are built).
 
@@ -289,6 +218,15 @@ def estimate(
     buckets, allocator overheads, and optimizer-step temporaries (torch's for-loop Adam on
     CPU makes two copies of the largest tensor, its for-each Adam, the CUDA default, about
     one fp32 copy of all parameters).
+
+    Model parallelism (a ``GPTConfig``): ``tp`` ranks share each block's matrices (Megatron,
+    ``labkit.parallel.tensor``: norms, biases after g, embedding and head stay whole), ``pp``
+    stages share the blocks as ``even_split`` does (embedding on the first, head on the last).
+    Under 1F1B stage s holds min(m, pp - s) micro-batches in flight (Narayanan et al. 2021,
+    section 2.2; ``micro_batches`` = m, None: pp), so the first stage holds about one
+    micro-batch of the whole model's block activations (Korthikanti et al. 2022, section 4.2.3).
+    The result is the stage with the highest peak (its ``source`` names it). With ``params``
+    only, the count is divided by tp x pp.
     """
     if (params is None) == (model is None):
         raise ValueError(
@@ -306,8 +244,62 @@ def estimate(
     if seq_len is not None:
         validate.positive_int("seq_len", seq_len)
     validate.one_of("activations", activations, ("gpt", "korthikanti"))
+    validate.positive_int("tp", tp, "estimate(..., tp=4), the tensor-parallel size")
+    validate.positive_int("pp", pp, "estimate(..., pp=2), the number of pipeline stages")
+    if micro_batches is not None:
+        validate.positive_int("micro_batches", micro_batches, "estimate(..., pp=4, micro_batches=8)")
     n, config = _count_params(params, model)
+    if config is None:
+        return _estimate_stage(_shard(n, tp * pp), None, 1, 0, dp, zero_stage, precision, optimizer, micro_batch,
+                               seq_len, checkpointing, keep_grads, activations, tp, f"tp={tp}, pp={pp}")
+    check_model_parallel(config, tp, pp)
+    blocks = [config.n_layers // pp + (1 if s < config.n_layers % pp else 0) for s in range(pp)]
+    results = []
+    for s in sorted({0, pp - 1}):
+        in_flight = min(micro_batches or pp, pp - s)
+        where = f"tp={tp}, pp={pp}" + (f", stage {s} ({blocks[s]} blocks, {in_flight} in flight)" if pp > 1 else "")
+        results.append(_estimate_stage(stage_params(config, tp, pp, s), config, blocks[s], s, dp, zero_stage,
+                                       precision, optimizer, micro_batch, seq_len, checkpointing, keep_grads,
+                                       activations, tp, where, in_flight, s == pp - 1))
+    return max(results, key=lambda b: b.peak)
 
+
+def check_model_parallel(config: GPTConfig, tp: int, pp: int) -> None:
+    """Refuse a tp that does not split the heads and the MLP evenly, or more stages than blocks."""
+    check_tp_size(config, tp)
+    if pp > config.n_layers:
+        raise ValueError(f"pp={pp} pipeline stages for {config.n_layers} blocks: every stage needs a block; "
+                         f"use pp <= {config.n_layers}")
+
+
+def stage_params(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Parameters one rank holds: stage `stage` of `pp` (blocks shared as `even_split`), matrices over `tp`."""
+    d, v = config.d_model, config.vocab_size
+    blocks = config.n_layers // pp + (1 if stage < config.n_layers % pp else 0)
+    n = blocks * _block_params(config, tp)
+    if stage == 0:
+        n += (v + config.seq_len) * d
+    if stage == pp - 1:
+        # A tied head shares the embedding's matrix only when both are on one rank; a pipeline's
+        # last stage keeps its own copy (Megatron-LM does the same and all-reduces the two gradients).
+        n += 2 * d + (0 if config.tie_embeddings and pp == 1 else v * d)
+    return n
+
+
+def _block_params(config: GPTConfig, tp: int) -> int:
+    """One block's parameters on one of `tp` ranks."""
+    d, f = config.d_model, config.ffn_dim
+    qkv = d + 2 * config.kv_heads * config.head_dim
+    # Column-parallel qkv and fc split weight and bias; row-parallel projections split the weight
+    # and keep the bias whole (added after the all-reduce); LayerNorms are whole on every rank.
+    return 4 * d + (d * qkv + qkv + d * d + d * f + f + f * d) // tp + 2 * d
+
+
+def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, dp: int, zero_stage: int,
+                    precision: str, optimizer: str, micro_batch: int, seq_len: int | None, checkpointing: bool,
+                    keep_grads: bool, activations: str, tp: int, where: str, in_flight: int = 1,
+                    has_head: bool = True) -> MemoryBreakdown:
+    """`estimate` for one rank holding `n` parameters and, with a config, `blocks` blocks of it."""
     p_bytes, g_bytes, k_bytes = bytes_per_param(precision, optimizer)
     # ZeRO (Rajbhandari et al. 2020, Figure 1): each stage shards one more kind of state.
     param_mem = (_shard(n, dp) if zero_stage >= 3 else n) * p_bytes
@@ -320,10 +312,12 @@ def estimate(
     if config is not None:
         seq = config.seq_len if seq_len is None else seq_len
         act_mem, other, peak_of_backward = _activations(config, micro_batch, seq, precision, checkpointing,
-                                                        activations, live_grads)
+                                                        activations, live_grads, tp, blocks, in_flight, has_head,
+                                                        stage, n)
         transient = max(transient, peak_of_backward)
     peak = param_mem + opt_mem + (grad_mem if keep_grads else 0) + transient
-    source = f"estimate ({precision}, {optimizer}, dp={dp}, ZeRO-{zero_stage}, {activations})"
+    parallel = "" if where == "tp=1, pp=1" else f", {where}"
+    source = f"estimate ({precision}, {optimizer}, dp={dp}, ZeRO-{zero_stage}, {activations}{parallel})"
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, act_mem, other, peak, source)
 
 
@@ -343,22 +337,29 @@ def _count_params(params: int | None, model: GPTConfig | nn.Module | None) -> tu
 
 
 def _activations(config: GPTConfig, micro_batch: int, seq: int, precision: str, checkpointing: bool,
-                 activations: str, live_grads: int) -> tuple[int, int, int]:
-    """(activation bytes, other temporaries, bytes of both at backward's peak) for `estimate`."""
+                 activations: str, live_grads: int, tp: int = 1, blocks: int | None = None, in_flight: int = 1,
+                 has_head: bool = True, stage: int = 0, n: int | None = None) -> tuple[int, int, int]:
+    """(activation bytes, other temporaries, bytes of both at backward's peak) for `estimate`:
+    `blocks` blocks (all of them by default) with `in_flight` micro-batches, the head if `has_head`."""
+    blocks = config.n_layers if blocks is None else blocks
     if activations == "korthikanti":
-        act = korthikanti_activation_bytes(seq, micro_batch, config.d_model, config.n_heads, config.n_layers,
-                                           recompute="full" if checkpointing else "none")
+        act = in_flight * korthikanti_activation_bytes(seq, micro_batch, config.d_model, config.n_heads, blocks,
+                                                       recompute="full" if checkpointing else "none", tp=tp)
         if PRECISIONS[precision][4] == 4:
             act *= 2  # course adaptation: fp32 activations are twice the 16-bit bytes
         return act, 0, act
-    parts = _gpt_activations(config, micro_batch, seq, precision)
-    other = parts.loss_temps
+    parts = gpt_activations(config, micro_batch, seq, precision, tp)
+    head = parts.head if has_head else 0
+    other = parts.loss_temps if has_head else 0
     if not checkpointing:
-        act = config.n_layers * parts.per_block + parts.head
+        act = in_flight * blocks * parts.per_block + head
         return act, other, act + other
-    kept = config.n_layers * parts.block_input
+    kept = in_flight * blocks * parts.block_input
     # Start of backward: kept inputs + head + loss temporaries. Later, the first block is
     # recomputed and differentiated while the gradients of all later blocks and of the head exist.
-    later_grads = round(live_grads * (1 - parts.first_block_share))
-    peak = max(kept + parts.head + other, kept + parts.per_block + parts.block_temps + later_grads)
-    return kept + parts.per_block + parts.head, other, peak
+    share = parts.first_block_share
+    if (tp, blocks) != (1, config.n_layers) and n:
+        share = (_block_params(config, tp) + ((config.vocab_size + config.seq_len) * config.d_model if stage == 0 else 0)) / n
+    later_grads = round(live_grads * (1 - share))
+    peak = max(kept + head + other, kept + parts.per_block + parts.block_temps + later_grads)
+    return kept + parts.per_block + head, other, peak

@@ -23,6 +23,7 @@ def _kernel_finds_labkit(monkeypatch):
 
 # lab, the exercise cell's marker, the check cell's marker, and per mistake: the answer and the hint's words
 SUM = ("00_cluster_tour", "def sum_over_ranks", "check_sum_over_ranks(results")
+TP_COMM = ("01_parallelism_choice", "def my_tp_comm_ms(config, micro_batch, tp, link)", "check_tp_comm(my_tp_comm_ms")
 ACCUMULATE = ("02_oom_batch", "def accumulate(ddp, batches)", "check_accumulation(fixed")
 DDP_HOOK = ("03_unoverlapped_comms", "class MyOverlappedDDP", "check_overlapped_ddp(drill")
 BALANCE = ("04_imbalanced_pipeline", "def my_balance(costs, stages)", "check_balance(my_balance")
@@ -39,6 +40,12 @@ _GREEDY = """    target, sizes, count, total = sum(costs) / stages, [], 0, 0.0
 _EVEN = "    return [n // stages + (1 if s < n % stages else 0) for s in range(stages)]"
 
 MISTAKES = {
+    "forward all-reduces only": (TP_COMM, {"config.n_layers * 4 * collective_time_s": "config.n_layers * 2 * collective_time_s"},
+                                 "backward has two more"),
+    "a 1/tp shard all-reduced": (TP_COMM, {"config.d_model * 4\n": "config.d_model * 4 // tp\n"},
+                                 "1/tp shard"),
+    "one block only": (TP_COMM, {"config.n_layers * 4 * collective_time_s": "4 * collective_time_s"},
+                       "multiply by the"),
     "all_reduce result assigned": (SUM, {"dist.all_reduce(t)": "t = dist.all_reduce(t)"},
                                    "returns None"),
     "sum divided by world size": (SUM, {"dist.all_reduce(t)": "dist.all_reduce(t)\n    t /= dist.get_world_size()"},
@@ -137,7 +144,7 @@ def test_a_plausible_mistake_fails_at_its_check_with_its_hint(name, tmp_path):
     assert took < 60, f"{name}: took {took:.0f} s to fail"
 
 
-@pytest.mark.parametrize("lab,exercise,check", [SUM, ACCUMULATE, DDP_HOOK, BALANCE, STRAGGLER])
+@pytest.mark.parametrize("lab,exercise,check", [SUM, TP_COMM, ACCUMULATE, DDP_HOOK, BALANCE, STRAGGLER])
 def test_the_right_answer_passes_the_cut_notebook(lab, exercise, check, tmp_path):
     path = tmp_path / f"{lab}.ipynb"
     nbformat.write(_mutated(lab, exercise, check, {}), path)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_accumulation", "check_balance", "check_find_straggler", "check_overlapped_ddp", "check_sum_over_ranks", "drive_hooks_shuffled"]
+__all__ = ["check_accumulation", "check_balance", "check_find_straggler", "check_overlapped_ddp", "check_sum_over_ranks",
+           "check_tp_comm", "drive_hooks_shuffled"]
 
 
 def check_sum_over_ranks(results: list[Any], world_size: int) -> float:
@@ -290,3 +291,44 @@ def check_find_straggler(fn: Callable[[list[Any]], Any]) -> None:
         raise AssertionError(f"you named rank {rank}; with compute per rank {computes} ms the straggler is rank "
                              f"{expected}, the one that computes the most. (Every rank's step_ms is the same in "
                              "synchronous training: compare compute_ms, not step_ms.)")
+
+
+def check_tp_comm(fn: Callable[..., float]) -> None:
+    """Lab 01: `fn(config, micro_batch, tp, link)` gives the ms of tensor-parallel all-reduces for one
+    micro-batch through every block (`labkit.planner.tp_comm_s`, without checkpointing, fp32)."""
+    from labkit.links import Link, collective_time_s
+    from labkit.models import GPTConfig
+    from labkit.planner import tp_comm_s
+
+    nvlink, ib = Link(450.0, 5.0, "NVLink"), Link(50.0, 10.0, "InfiniBand")
+    cases = [(GPTConfig(n_layers=8, d_model=512, n_heads=8, vocab_size=1024, seq_len=256), 4, 4, ib),
+             (GPTConfig(n_layers=24, d_model=2048, n_heads=16, vocab_size=1024, seq_len=1024), 2, 8, nvlink),
+             (GPTConfig(n_layers=4, d_model=512, n_heads=8, vocab_size=256, seq_len=256), 1, 2, ib)]
+    for config, mb, tp, link in cases:
+        want = tp_comm_s(config, mb, tp, link) * 1e3
+        got = fn(config, mb, tp, link)
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            raise AssertionError(f"return a number of milliseconds, not {got!r}")
+        where = (f"{config.n_layers} blocks, d_model {config.d_model}, seq {config.seq_len}, micro-batch {mb}, "
+                 f"tp={tp} over {link.name} ({link.bandwidth_gb_s:g} GB/s, {link.latency_us:g} µs)")
+        if math.isclose(got, want, rel_tol=0.02):
+            continue
+        nbytes = mb * config.seq_len * config.d_model * 4
+        shard = config.n_layers * 4 * collective_time_s("all_reduce", nbytes // tp, tp, link) * 1e3
+        ratio = got / want if want else math.inf
+        if math.isclose(ratio, 0.5, rel_tol=0.05):
+            raise AssertionError(f"{where}: you gave {got:.3f} ms, half of {want:.3f} ms. You counted the forward's "
+                                 "two all-reduces per block (g); backward has two more (f's gradient before attention "
+                                 "and before the MLP): 4 per block.")
+        if math.isclose(got, shard, rel_tol=0.05) or math.isclose(ratio, 1 / tp, rel_tol=0.05):
+            raise AssertionError(f"{where}: you gave {got:.3f} ms for {want:.3f} ms, as if each rank all-reduced a 1/tp shard. The tensor each rank "
+                                 "all-reduces is the whole activation (micro_batch x seq x d_model), not a 1/tp shard: "
+                                 "each rank holds a partial sum of all of it.")
+        if math.isclose(ratio, 1 / config.n_layers, rel_tol=0.05):
+            raise AssertionError(f"{where}: you gave {got:.3f} ms, one block's worth of {want:.3f} ms: multiply by "
+                                 f"the {config.n_layers} blocks.")
+        raise AssertionError(f"{where}: you gave {got:.3f} ms, expected {want:.3f} ms. Per block: 4 all-reduces of "
+                             "micro_batch x seq x d_model x 4 bytes (fp32), each "
+                             "labkit.links.collective_time_s('all_reduce', nbytes, tp, link) seconds.")
+    if fn(cases[0][0], 4, 1, nvlink) != 0:
+        raise AssertionError("with tp=1 there is no tensor parallelism and nothing to all-reduce: return 0")

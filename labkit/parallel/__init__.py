@@ -3,9 +3,9 @@
 * `data.py`: data parallelism, the naive per-tensor all-reduce, `OverlappedDDP` (bucketed
   all-reduce from gradient hooks) and gradient accumulation with `no_sync`;
 * `pipeline.py`: pipeline parallelism, a GPT cut into stages of consecutive layers and run by
-  `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B).
-
-Tensor parallelism (lab 01) will sit next to them.
+  `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B);
+* `tensor.py`: tensor parallelism in the Megatron style (f and g, column- and row-parallel layers);
+* `layout.py`: how they combine, dp x tp x pp ranks on a grid, and each rank's groups.
 """
 
 from labkit.parallel.data import (
@@ -14,10 +14,19 @@ from labkit.parallel.data import (
     accumulate_without_no_sync,
     allreduce_gradients_naive,
 )
+from labkit.parallel.layout import Layout, RankGroups, make_groups
 from labkit.parallel.pipeline import GPTStage, even_split, layer_names, make_schedule, pipeline_stages
+from labkit.parallel.tensor import TPStats, TensorParallelBlock, check_tp_size, tensor_parallel
 
 __all__ = [
     "GPTStage",
+    "Layout",
+    "RankGroups",
+    "TPStats",
+    "TensorParallelBlock",
+    "check_tp_size",
+    "make_groups",
+    "tensor_parallel",
     "OverlappedDDP",
     "accumulate_with_no_sync",
     "accumulate_without_no_sync",

@@ -1,0 +1,218 @@
+"""Lab 01's driver: train the same GPT under a dp x tp x pp layout and measure its step and its traffic.
+
+`layout_steps` runs on every rank (launch it with `labkit.launch` on world_size = dp x tp x pp): it creates
+the layout's groups (`labkit.parallel.layout`), builds the seeded GPT, splits its blocks over the tp group
+(`labkit.parallel.tensor`), cuts it into pp stages run by 1F1B (`labkit.parallel.pipeline`), and keeps only
+its own layers, so the emulated memory budget sees what a GPU would hold. Each step a replica trains on its
+rows of the global batch in micro-batches (pipeline micro-batches, or gradient accumulation when pp == 1),
+then one flat all-reduce averages the gradients over the dp group (not overlapped: lab 03 shows how to hide
+it) and Adam steps. Every rank reports its step times on `labkit.runtime.clock` (the virtual clock on the
+emulated cluster), the bytes it put on each link class, and optionally its gradients and loss against one
+process on the whole batch. `summarize_layout` combines the ranks; `measure_rates` times this CPU on the
+model for the planner (`labkit.planner.Rates`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from labkit import runtime
+from labkit.experiments.common import rank_rows, seeded_model
+from labkit.experiments.imbalanced_pipeline import _clock_spans
+from labkit.links import bus_bandwidth_factor
+from labkit.models import GPTConfig, synthetic_batch
+from labkit.parallel.layout import Layout, make_groups
+from labkit.parallel.pipeline import even_split, make_schedule, pipeline_stages
+from labkit.parallel.tensor import TPStats, shard_state, tensor_parallel
+from labkit.planner import Rates, forward_flops_per_token
+
+__all__ = ["LayoutRankResult", "LayoutSummary", "layout_steps", "measure_rates", "median_rates", "reference_gradients",
+           "summarize_layout"]
+
+
+@dataclass
+class LayoutRankResult:
+    """What one rank measured under one layout. Times in ms; bytes per step."""
+
+    rank: int
+    layout: str
+    coords: dict[str, int]
+    step_ms: list[float]
+    link_bytes: dict[str, int]  # "intra" / "inter": bytes this rank sent per step (ring all-reduce: 2(n-1)/n)
+    kind_bytes: dict[str, int]  # "tp" / "pp" / "dp": the same bytes by parallelism
+    params: int  # parameters this rank holds
+    peak_bytes: int | None = None  # peak live bytes over the run (emulated budget or CUDA allocator)
+    grad_error: float | None = None  # largest |gradient - one process's| on this rank's parameters
+    loss_error: float | None = None
+    label: str = ""
+
+
+@dataclass
+class LayoutSummary:
+    layout: str
+    step_ms: float  # median over steps of the slowest rank's step
+    steps_ms: list[float]
+    link_bytes: dict[str, int] = field(default_factory=dict)  # summed over ranks, per step
+    kind_bytes: dict[str, int] = field(default_factory=dict)
+    peak_mib: float | None = None  # the largest rank's peak
+    grad_error: float | None = None
+    label: str = ""
+
+
+def _dp_all_reduce(params: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int) -> int:
+    """Average the gradients over the dp group in one flat all-reduce; returns its bytes."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat.numel() * flat.element_size()
+
+
+def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_batch: int, *, steps: int = 3,
+                 warmup: int = 1, seed: int = 0, lr: float = 1e-3,
+                 reference: tuple[float, dict[str, torch.Tensor]] | None = None) -> LayoutRankResult:
+    """Train `steps` + `warmup` steps under `layout` on this rank; see the module docstring.
+
+    `reference`: `reference_gradients(config, global_batch, seed)` (computed once, by the caller), to
+    compare this rank's first-step gradients and loss with."""
+    groups = make_groups(layout)
+    c = groups.coords
+    if global_batch % (layout.dp * micro_batch):
+        raise ValueError(f"global_batch={global_batch} must split into dp={layout.dp} replicas of micro-batches "
+                         f"of {micro_batch}: use a multiple of {layout.dp * micro_batch}")
+    m = global_batch // layout.dp // micro_batch
+    dev = runtime.device()
+    stats = TPStats()
+    model = seeded_model(config, seed, dev)
+    if layout.tp > 1:
+        tensor_parallel(model, groups.tp, stats)
+    names = {id(p): n for n, p in model.named_parameters()}
+    sent = [0, 0]
+    if layout.pp > 1:
+        stages = pipeline_stages(model, even_split(config, layout.pp), groups.pp, dev)
+        _clock_spans(stages, [], sent)
+        schedule = make_schedule(stages, "1f1b", m)
+        module = stages[0].submod
+        params = list(module.parameters())
+        del model  # only this stage's layers stay alive, as on a GPU
+    else:
+        module, params, schedule = model, list(model.parameters()), None
+    opt = torch.optim.Adam(params, lr=lr)
+    cluster = runtime.current_cluster()
+    topo = cluster.topology() if cluster else None
+    crossed = layout.links_crossed(topo) if topo else {}
+    result = LayoutRankResult(dist.get_rank(), str(layout), c, [], {"intra": 0, "inter": 0},
+                              {"tp": 0, "pp": 0, "dp": 0}, sum(p.numel() for p in params),
+                              label=cluster.label if cluster else "")
+    runtime.reset_peak_memory_stats()
+    dp_bytes = 0
+    for step in range(warmup + steps):
+        stats.all_reduces = stats.bytes = 0
+        sent[0] = sent[1] = 0
+        x, y = rank_rows(config, global_batch, c["dp"], layout.dp, step=step, seed=seed, device=dev)
+        dist.barrier()  # a common start: the step ends with its slowest rank
+        t0 = runtime.clock()
+        losses: list = []
+        if schedule is not None:
+            kwargs = {"return_outputs": False}
+            if stages[0].is_last:
+                kwargs.update(target=y, losses=losses)
+            schedule.step(x, **kwargs) if stages[0].is_first else schedule.step(**kwargs)
+        else:
+            for k in range(m):
+                rows = slice(k * micro_batch, (k + 1) * micro_batch)
+                loss = model(x[rows], y[rows]) / m
+                loss.backward()
+                losses.append(loss.detach() * m)
+        dp_bytes = _dp_all_reduce(params, groups.dp, layout.dp) if layout.dp > 1 else 0
+        if reference is not None and step == 0:
+            result.grad_error, result.loss_error = _errors(config, reference, layout, c, module, names, losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ms = (runtime.clock() - t0) * 1e3
+        if step >= warmup:
+            result.step_ms.append(ms)
+    kinds = {"tp": stats.bytes * (bus_bandwidth_factor("all_reduce", layout.tp) if layout.tp > 1 else 0),
+             "pp": sent[1], "dp": dp_bytes * (bus_bandwidth_factor("all_reduce", layout.dp) if layout.dp > 1 else 0)}
+    result.kind_bytes = {k: int(v) for k, v in kinds.items()}
+    for kind, nbytes in result.kind_bytes.items():
+        if nbytes:
+            result.link_bytes[crossed.get(kind, "intra")] += nbytes
+    peak = runtime.peak_bytes()
+    result.peak_bytes = peak[0] if peak else None
+    return result
+
+
+def reference_gradients(config: GPTConfig, global_batch: int, seed: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
+    """(loss, gradient per parameter name) of one process on the whole first global batch."""
+    ref = seeded_model(config, seed)
+    x, y = synthetic_batch(config, global_batch, seed=seed, step=0)
+    loss = ref(x, y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _errors(config: GPTConfig, reference: tuple[float, dict[str, torch.Tensor]], layout: Layout, coords: dict,
+            module: torch.nn.Module, names: dict, losses: list) -> tuple[float, float | None]:
+    """This rank's gradients (its shard of its layers) and loss against one process on the whole batch."""
+    ref_loss, full = reference
+    want = shard_state(full, config, coords["tp"], layout.tp) if layout.tp > 1 else full
+    error = 0.0
+    for p in module.parameters():  # a stage holds the GPT's own parameters: their names are the GPT's
+        if p.grad is not None:
+            error = max(error, (p.grad - want[names[id(p)]].to(p.grad.device)).abs().max().item())
+    if not losses or layout.dp > 1:
+        return error, None  # with dp > 1 a replica's loss is its rows' mean, not the global one
+    mine = torch.stack([torch.as_tensor(v).float() for v in losses]).mean()
+    return error, abs(mine.item() - ref_loss)
+
+
+def summarize_layout(results: list[LayoutRankResult]) -> LayoutSummary:
+    """One layout from every rank: the step is its slowest rank's; bytes summed over ranks."""
+    steps = [max(r.step_ms[i] for r in results) for i in range(len(results[0].step_ms))]
+    links = {k: sum(r.link_bytes[k] for r in results) for k in ("intra", "inter")}
+    kinds = {k: sum(r.kind_bytes[k] for r in results) for k in ("tp", "pp", "dp")}
+    peaks = [r.peak_bytes for r in results if r.peak_bytes is not None]
+    errors = [r.grad_error for r in results if r.grad_error is not None]
+    return LayoutSummary(results[0].layout, statistics.median(steps), steps, links, kinds,
+                         max(peaks) / 2**20 if peaks else None, max(errors) if errors else None, results[0].label)
+
+
+def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: int = 0) -> Rates:
+    """This CPU's speed on the model, in CPU time of this thread (as the virtual clock counts it): the
+    model's FLOP/s in forward + backward at `micro_batch`, and Adam's seconds per parameter. Best of repeats."""
+    model = seeded_model(config, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = synthetic_batch(config, micro_batch, seed=seed)
+    block_f, head_f = forward_flops_per_token(config)
+    flops = 3 * micro_batch * config.seq_len * (config.n_layers * block_f + head_f)
+    best_fb = best_opt = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.thread_time()
+        model(x, y).backward()
+        t1 = time.thread_time()
+        opt.step()
+        t2 = time.thread_time()
+        opt.zero_grad(set_to_none=False)
+        best_fb, best_opt = min(best_fb, t1 - t0), min(best_opt, t2 - t1)
+    n = config.num_params()
+    return Rates(flops / best_fb, best_opt / n,
+                 f"measured on this CPU: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
+                 f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter")
+
+
+def median_rates(per_rank: list[Rates]) -> Rates:
+    """One `Rates` from every rank's `measure_rates` (run together, so they shared the cores as in a run)."""
+    flops = statistics.median(r.flops_per_s for r in per_rank)
+    opt = statistics.median(r.optimizer_s_per_param for r in per_rank)
+    return Rates(flops, opt, f"measured on {len(per_rank)} ranks at once: {flops / 1e9:.1f} GFLOP/s per rank in "
+                             f"forward + backward, Adam {opt * 1e9:.2f} ns per parameter (medians)")

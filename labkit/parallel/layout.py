@@ -1,0 +1,111 @@
+"""Layouts: which rank does which share of the work when data, tensor and pipeline parallelism combine.
+
+A `Layout(dp, tp, pp)` puts dp x tp x pp ranks on a grid. Ranks are numbered with tensor parallelism
+fastest, then data, then pipeline (Megatron-LM's order, Narayanan et al. 2021, section 3.3):
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+so that a tensor-parallel group is tp consecutive ranks, which sit in one node when tp divides the GPUs per
+node, and the groups that talk least (pipeline, then data) are the ones that cross nodes. `groups_of`
+lists every group of one kind; `links_crossed` says which link class each kind's groups need on a
+`labkit.links.Topology`; `make_groups` creates this rank's three `torch.distributed` groups (every rank
+creates every group, in the same order, as `new_group` requires). No global state: the groups are returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from labkit import validate
+from labkit.links import Topology
+
+__all__ = ["KINDS", "Layout", "RankGroups", "make_groups"]
+
+KINDS = ("tp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """dp data-parallel replicas x tp tensor-parallel ranks x pp pipeline stages."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for kind in KINDS:
+            validate.positive_int(f"Layout {kind}", getattr(self, kind), "Layout(dp=2, tp=4, pp=1)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp} x tp{self.tp} x pp{self.pp}"
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a layout whose dp x tp x pp is not the number of ranks."""
+        if self.world_size != world_size:
+            raise ValueError(f"layout {self} needs dp x tp x pp = {self.world_size} ranks, the world has {world_size}: "
+                             f"choose dp, tp, pp whose product is {world_size}")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each kind: {"tp": .., "dp": .., "pp": ..}."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is not in 0..{self.world_size - 1} for layout {self}")
+        return {"tp": rank % self.tp, "dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp)}
+
+    def rank_of(self, tp: int, dp: int, pp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def groups_of(self, kind: str) -> list[list[int]]:
+        """Every group of one kind, each a sorted list of global ranks (the ranks that differ only in `kind`)."""
+        validate.one_of("kind", kind, KINDS)
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            key = tuple(c[k] for k in KINDS if k != kind)
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
+
+    def links_crossed(self, topology: Topology) -> dict[str, str]:
+        """Per kind with more than one rank: "intra" if each of its groups sits in one node, else "inter"."""
+        out = {}
+        for kind in KINDS:
+            if getattr(self, kind) > 1:
+                spans = {len({topology.node_of(r) for r in g}) > 1 for g in self.groups_of(kind)}
+                out[kind] = "inter" if True in spans else "intra"
+        return out
+
+
+@dataclass
+class RankGroups:
+    """This rank's groups (None where the kind has one rank: nothing to talk to) and its coordinates."""
+
+    layout: Layout
+    rank: int
+    tp: dist.ProcessGroup | None
+    dp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)
+
+
+def make_groups(layout: Layout) -> RankGroups:
+    """Create every tp, dp and pp group of `layout` (collective: every rank calls it) and keep this rank's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout.check_world_size(world)
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    for kind in KINDS:
+        mine[kind] = None
+        if getattr(layout, kind) == 1:
+            continue
+        for ranks in layout.groups_of(kind):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    return RankGroups(layout, rank, mine["tp"], mine["dp"], mine["pp"])

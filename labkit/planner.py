@@ -1,0 +1,337 @@
+"""The parallelism planner: every layout that divides the cluster and fits its memory, with a predicted step time.
+
+`plan(model, cluster, global_batch)` enumerates dp x tp x pp layouts (`labkit.parallel.layout`), and for each
+the micro-batch, ZeRO stage and activation checkpointing; it keeps what fits the GPU's memory
+(`labkit.memory.estimate`, the stage with the highest peak) and predicts a step from four terms:
+
+* compute: the model's FLOPs (forward 2 per weight per token plus attention, backward twice that, a second
+  forward with checkpointing; Narayanan et al. 2021, appendix) on the busiest stage, over tp, at `Rates`;
+* tensor parallelism: Megatron's 2 all-reduces of the activations per block in forward and 2 in backward
+  (Shoeybi et al. 2019), 2 more when checkpointing recomputes the forward, on the link the tp group crosses;
+* the pipeline: 1F1B or GPipe take (m + p - 1) stage slots of one micro-batch (the bubble, Huang et al. 2019),
+  each slot holding the stage's compute, its tp all-reduces and two point-to-point transfers;
+* data parallelism: one all-reduce of the rank's gradients on the dp group's link after backward, not
+  overlapped (ZeRO-1/2: reduce-scatter + all-gather, the same bytes; ZeRO-3 gathers parameters twice more),
+  and the optimizer step at `Rates.optimizer_s_per_param`.
+
+Collective times are `labkit.links.collective_time_s` (α-β, ring) on the cluster's links, so on the emulated
+cluster the planner and the emulator share one model; on a described cluster (`Cluster.preset`) compute is
+its peak FLOP/s times an efficiency, a stated assumption. `Plan.table()` ranks the layouts and gives each
+rejected one its reason (does not fit, does not divide, tp crosses nodes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from labkit import validate
+from labkit.cluster import Cluster
+from labkit.links import Link, collective_time_s
+from labkit.memory import MemoryBreakdown, check_model_parallel, estimate
+from labkit.models import GPTConfig
+from labkit.parallel.layout import Layout
+
+__all__ = ["Candidate", "Plan", "Rates", "forward_flops_per_token", "plan", "spearman", "tp_comm_s"]
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How fast one GPU computes: `flops_per_s` on the model's matmuls, and its optimizer step per parameter."""
+
+    flops_per_s: float
+    optimizer_s_per_param: float = 0.0
+    source: str = ""
+
+
+def forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> tuple[float, float]:
+    """(per block, head) forward FLOPs per token: 2 per weight of each matmul, and attention's QK^T and AV
+    (4·s·h per block at sequence length s, counted in full as Narayanan et al. 2021 do)."""
+    s = config.seq_len if seq_len is None else seq_len
+    d, f, v = config.d_model, config.ffn_dim, config.vocab_size
+    qkv = d + 2 * config.kv_heads * config.head_dim
+    return 2.0 * (d * qkv + d * d + 2 * d * f) + 4.0 * s * d, 2.0 * d * v
+
+
+@dataclass
+class Candidate:
+    """One layout with its best options, its memory, its prediction (ms, split by term) and, if rejected, why."""
+
+    layout: Layout
+    micro_batch: int = 0
+    micro_batches: int = 0  # per pipeline (1F1B's m), or accumulation steps when pp == 1
+    zero_stage: int = 0
+    checkpointing: bool = False
+    memory: MemoryBreakdown | None = None
+    predicted_ms: float | None = None
+    parts_ms: dict[str, float] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    def row(self) -> dict:
+        mem = None if self.memory is None else round(self.memory.peak / _GIB, 3)
+        return {"layout": str(self.layout), "dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches, "zero": self.zero_stage,
+                "ckpt": self.checkpointing, "memory_gib": mem,
+                "predicted_ms": None if self.predicted_ms is None else round(self.predicted_ms, 3),
+                **{f"{k}_ms": round(v, 3) for k, v in self.parts_ms.items()},
+                "links": ",".join(f"{k}:{v}" for k, v in self.links.items()), "reason": self.reason or "ok"}
+
+
+@dataclass
+class Plan:
+    """Every layout, ranked: those that fit by predicted time, then the rejected ones with their reasons."""
+
+    model: GPTConfig
+    cluster: Cluster
+    global_batch: int
+    seq_len: int
+    rates: Rates
+    candidates: list[Candidate]
+    memory_gib: float = 0.0  # per GPU
+    headroom: float = 0.0  # the share of it kept free
+
+    @property
+    def best(self) -> Candidate:
+        ok = [c for c in self.candidates if c.ok]
+        if not ok:
+            reasons = "; ".join(f"{c.layout}: {c.reason}" for c in self.candidates[:6])
+            raise ValueError(f"no layout fits: {reasons}. Use more GPUs, a smaller model or global batch, ZeRO or "
+                             "activation checkpointing")
+        return ok[0]
+
+    def candidate(self, dp: int, tp: int, pp: int) -> Candidate:
+        for c in self.candidates:
+            if (c.dp, c.tp, c.pp) == (dp, tp, pp):
+                return c
+        raise KeyError(f"dp{dp} x tp{tp} x pp{pp} is not a layout of this plan")
+
+    def table(self, limit: int | None = None) -> str:
+        """The ranked layouts as text: predicted ms and its terms, memory per GPU, options, reason."""
+        cap = self.memory_gib
+        head = (f"{'layout':<18}{'mb':>4}{'m':>5}{'zero':>5}{'ckpt':>5}{'mem/GPU':>11}{'pred ms':>10}"
+                f"{'compute':>9}{'bubble':>8}{'tp':>8}{'pp':>7}{'dp+opt':>8}  links / reason")
+        lines = [f"plan for {self.cluster.nodes} x {self.cluster.gpus_per_node} GPUs"
+                 f" of {_size(cap * _GIB)} ({self.headroom:.0%} kept free), global batch {self.global_batch}, seq {self.seq_len}"
+                 f" ({self.cluster.label}; compute {self.rates.source})", head]
+        for c in self.candidates[:limit]:
+            mem = "-" if c.memory is None else _size(c.memory.peak)
+            pred = "-" if c.predicted_ms is None else f"{c.predicted_ms:.1f}"
+            p = c.parts_ms
+            terms = "".join(f"{p[k]:>{w}.1f}" if k in p else f"{'-':>{w}}"
+                            for k, w in (("compute", 9), ("bubble", 8), ("tp", 8), ("pp", 7), ("dp", 8)))
+            note = ",".join(f"{k}:{v}" for k, v in c.links.items()) if c.ok else c.reason
+            lines.append(f"{str(c.layout):<18}{c.micro_batch or '-':>4}{c.micro_batches or '-':>5}{c.zero_stage:>5}"
+                         f"{'y' if c.checkpointing else 'n':>5}{mem:>11}{pred:>10}{terms}  {note}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / _GIB:.1f} GiB" if nbytes >= 4 * _GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cluster_rates(cluster: Cluster, config: GPTConfig, efficiency: float) -> Rates:
+    if cluster.kind == "described":
+        return Rates(cluster.peak_tflops * 1e12 * efficiency, 0.0,
+                     f"{cluster.peak_tflops:g} TFLOP/s peak x {efficiency:.0%} efficiency, optimizer not counted")
+    if cluster.is_emulated and cluster.cpu_gflops:
+        return Rates(cluster.cpu_gflops * 1e9 * efficiency, 0.0,
+                     f"this CPU's {cluster.cpu_gflops:.1f} GFLOP/s per core x {efficiency:.0%}")
+    raise ValueError("no compute rate for this cluster: pass rates=labkit.planner.Rates(flops_per_s=...) "
+                     "(e.g. measured with labkit.experiments.parallelism_choice.measure_rates)")
+
+
+def tp_comm_s(config: GPTConfig, micro_batch: int, tp: int, link: Link, blocks: int | None = None,
+              checkpointing: bool = False, seq_len: int | None = None, precision: str = "fp32") -> float:
+    """Seconds of tensor-parallel all-reduces for one micro-batch through `blocks` blocks (default: all).
+
+    Each block all-reduces its output activation (micro_batch x seq x d_model) twice in forward (g after
+    attention and after the MLP) and twice in backward (f's gradient before each) (Shoeybi et al. 2019,
+    figure 4); activation checkpointing repeats the forward's two. The tensor is the whole activation on
+    every rank, not a 1/tp shard; each all-reduce is a ring over the tp group's link (`collective_time_s`).
+    """
+    seq = config.seq_len if seq_len is None else seq_len
+    nbytes = micro_batch * seq * config.d_model * (4 if precision == "fp32" else 2)
+    per_block = 6 if checkpointing else 4
+    n = config.n_layers if blocks is None else blocks
+    return n * per_block * collective_time_s("all_reduce", nbytes, tp, link)
+
+
+def _predict(c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates: Rates, precision: str) -> None:
+    """Fill `c.parts_ms` and `c.predicted_ms` (see the module docstring)."""
+    topo = cluster.topology()
+    L, pp, tp, dp = config.n_layers, c.pp, c.tp, c.dp
+    block_f, head_f = forward_flops_per_token(config, seq)
+    passes = 4.0 if c.checkpointing else 3.0  # forward + backward (2x), + a recomputed forward
+    tokens = c.micro_batch * seq
+    act_bytes = tokens * config.d_model * (4 if precision == "fp32" else 2)
+    stage_blocks = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]
+    slots = []
+    for s, blocks in enumerate(stage_blocks):
+        flops = tokens * passes * (blocks * block_f + (head_f if s == pp - 1 else 0)) / tp
+        slots.append(flops / rates.flops_per_s)
+    compute = max(slots)
+    link = {k: (topo.inter_node if where == "inter" else topo.intra_node) for k, where in c.links.items()}
+    tp_s = pp_s = dp_s = 0.0
+    if tp > 1:
+        tp_s = tp_comm_s(config, c.micro_batch, tp, link["tp"], max(stage_blocks), c.checkpointing, seq, precision)
+    if pp > 1:
+        # Each micro-batch crosses every boundary twice (activation down, gradient back); a slot pays the
+        # mean boundary's pair of transfers (a boundary inside a node is cheaper than the one between nodes).
+        group = c.layout.groups_of("pp")[0]
+        pairs = [topo.slowest_link([a, b]) for a, b in zip(group, group[1:])]
+        pp_s = 2 * sum(collective_time_s("send", act_bytes, 2, lk) for lk in pairs) / len(pairs)
+    m = c.micro_batches
+    slot = compute + tp_s + pp_s
+    params = c.memory.params // (4 if precision == "fp32" else 2) if c.memory else 0
+    if c.zero_stage >= 3:
+        params *= dp  # the memory holds a 1/dp shard; the gradients are the whole stage's
+    if dp > 1:
+        grad_bytes = params * (4 if precision == "fp32" else 2)
+        dp_s = collective_time_s("all_reduce", grad_bytes, dp, link["dp"]) * (1.5 if c.zero_stage >= 3 else 1.0)
+    opt_params = params / dp if c.zero_stage >= 1 else params
+    opt_s = opt_params * rates.optimizer_s_per_param
+    c.parts_ms = {"compute": m * compute * 1e3, "bubble": (pp - 1) * slot * 1e3, "tp": m * tp_s * 1e3,
+                  "pp": m * pp_s * 1e3, "dp": (dp_s + opt_s) * 1e3}
+    c.predicted_ms = (m + pp - 1) * slot * 1e3 + (dp_s + opt_s) * 1e3
+
+
+def plan(model: GPTConfig | str, cluster: Cluster, global_batch: int, seq_len: int | None = None, *,
+         precision: str = "mixed", optimizer: str = "adam", memory_gib: float | None = None,
+         zero_stages: tuple[int, ...] = (0, 1), checkpointing: tuple[bool, ...] = (False, True),
+         micro_batch_sizes: tuple[int, ...] | None = None, rates: Rates | None = None, efficiency: float = 0.5,
+         tp_across_nodes: bool = False, headroom: float = 0.1) -> Plan:
+    """Rank every dp x tp x pp layout of `cluster` for `model` at `global_batch` sequences per step.
+
+    `memory_gib`: per-GPU capacity (default the cluster's). `rates`: compute speed (default: the described
+    cluster's peak x `efficiency`, or this CPU's calibration x `efficiency` on the emulated cluster).
+    For each layout the fastest fitting option among `micro_batch_sizes` (default: every divisor of the
+    per-replica batch), `zero_stages` and `checkpointing` is kept. A tp group that crosses nodes is
+    rejected unless `tp_across_nodes` (it is still predicted, to show what it costs). `headroom`: the share
+    of memory kept free for what `estimate` does not count (communication buffers, optimizer temporaries,
+    the allocator's rounding and fragmentation: lab 02), so a layout fits if its peak <= (1 - headroom) x cap.
+    """
+    config = GPTConfig.preset(model) if isinstance(model, str) else model
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"model must be a GPTConfig or a preset name, got {type(model).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a labkit.Cluster (e.g. Cluster.preset('dgx-a100-80gb', nodes=2)), "
+                         f"got {cluster!r}")
+    validate.positive_int("global_batch", global_batch, "plan(model, cluster, global_batch=512)")
+    seq = config.seq_len if seq_len is None else validate.positive_int("seq_len", seq_len, "seq_len=2048")
+    cap = cluster.memory_gib if memory_gib is None else memory_gib
+    if cap is None:
+        raise ValueError("the cluster has no memory capacity: pass memory_gib=80 (per GPU), or describe the "
+                         "cluster with one (Cluster.preset(...), Cluster.emulated(memory_gib=0.25))")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom!r} must be a share of memory in [0, 1): e.g. headroom=0.1 keeps 10 % free")
+    rates = rates or _cluster_rates(cluster, config, efficiency)
+    world, topo = cluster.world_size, cluster.topology()
+    candidates = []
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            layout = Layout(world // tp // pp, tp, pp)
+            candidates.append(_best_option(layout, config, cluster, topo, global_batch, seq, precision, optimizer,
+                                           cap * (1 - headroom), zero_stages, checkpointing, micro_batch_sizes, rates,
+                                           tp_across_nodes))
+    candidates.sort(key=lambda c: (not c.ok, c.predicted_ms is None, c.predicted_ms or 0.0))
+    return Plan(config, cluster, global_batch, seq, rates, candidates, cap, headroom)
+
+
+def _best_option(layout: Layout, config: GPTConfig, cluster: Cluster, topo, global_batch: int, seq: int,
+                 precision: str, optimizer: str, cap: float, zero_stages, checkpointing, micro_batch_sizes,
+                 rates: Rates, tp_across_nodes: bool) -> Candidate:
+    """The fastest fitting option of one layout, or the layout with the reason nothing works."""
+    base = Candidate(layout, links=layout.links_crossed(topo))
+    try:
+        check_model_parallel(config, layout.tp, layout.pp)
+    except ValueError as exc:
+        base.reason = f"does not divide: {exc}"
+        return base
+    if global_batch % layout.dp:
+        base.reason = (f"does not divide: global batch {global_batch} over dp={layout.dp} replicas; use a global "
+                       f"batch that is a multiple of {layout.dp}")
+        return base
+    per_replica = global_batch // layout.dp
+    sizes = [b for b in (micro_batch_sizes or _divisors(per_replica)) if per_replica % b == 0]
+    tried, smallest = [], None
+    for mb in sizes:
+        m = per_replica // mb
+        if layout.pp > 1 and m < layout.pp:
+            continue  # 1F1B needs m >= p
+        for zero in (zero_stages if layout.dp > 1 else (0,)):
+            for ckpt in checkpointing:
+                c = Candidate(layout, mb, m, zero, ckpt, links=base.links)
+                c.memory = estimate(model=config, dp=layout.dp, zero_stage=zero, precision=precision,
+                                    optimizer=optimizer, micro_batch=mb, seq_len=seq, checkpointing=ckpt,
+                                    tp=layout.tp, pp=layout.pp, micro_batches=m)
+                _predict(c, config, cluster, seq, rates, precision)
+                if smallest is None or c.memory.peak < smallest.memory.peak:
+                    smallest = c
+                if c.memory.peak <= cap * _GIB:
+                    tried.append(c)
+    if smallest is None:
+        base.reason = (f"does not divide: pp={layout.pp} stages need at least {layout.pp} micro-batches of the "
+                       f"{per_replica} sequences per replica")
+        return base
+    if not tried:
+        smallest.reason = (f"does not fit: {_size(smallest.memory.peak)} > {_size(cap * _GIB)} usable per GPU even at "
+                           f"micro-batch {smallest.micro_batch}, ZeRO-{smallest.zero_stage}, checkpointing "
+                           f"{'on' if smallest.checkpointing else 'off'}; shard the model (tp, pp) or use more GPUs")
+        return smallest
+    best = min(tried, key=lambda c: c.predicted_ms)
+    if layout.tp > 1 and best.links.get("tp") == "inter" and not tp_across_nodes:
+        best.reason = (f"tp group crosses nodes: {2 * config.n_layers * 2} all-reduces per micro-batch on the "
+                       f"inter-node link ({best.parts_ms['tp']:.1f} ms predicted); keep tp <= "
+                       f"{cluster.gpus_per_node} GPUs per node (Narayanan et al. 2021, section 3.2)")
+    return best
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two equally long lists (ties get their average rank)."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"spearman needs two lists of the same length >= 2, got {len(a)} and {len(b)}")
+
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / var if var else 0.0
