@@ -159,21 +159,26 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        kv_dim = self.kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([d, kv_dim, kv_dim], dim=-1)
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.kv_heads != self.n_heads:
-            # Grouped-query attention (Ainslie et al. 2023): each k/v head serves a group of
-            # query heads. repeat_interleave keeps this working on every torch >= 2.4.
-            group = self.n_heads // self.kv_heads
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, s, d)
-        return self.proj(y)
+        return self.proj(causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim))
+
+
+def causal_attention(qkv: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Causal attention of a fused projection laid out [q | k | v] (batch, seq, (n_heads + 2 kv_heads) x
+    head_dim); returns (batch, seq, n_heads x head_dim). Shared by the GPT and its tensor-parallel shards."""
+    b, s, _ = qkv.shape
+    q_dim, kv_dim = n_heads * head_dim, kv_heads * head_dim
+    q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+    q = q.view(b, s, n_heads, head_dim).transpose(1, 2)
+    k = k.view(b, s, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(b, s, kv_heads, head_dim).transpose(1, 2)
+    if kv_heads != n_heads:
+        # Grouped-query attention (Ainslie et al. 2023): each k/v head serves a group of
+        # query heads. repeat_interleave keeps this working on every torch >= 2.4.
+        group = n_heads // kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).contiguous().view(b, s, q_dim)
 
 
 class MLP(nn.Module):

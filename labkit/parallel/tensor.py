@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import validate
-from labkit.models import GPT, Block, GPTConfig
+from labkit.models import GPT, Block, GPTConfig, causal_attention
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPStats", "TensorParallelBlock", "check_tp_size",
            "copy_to_tp", "reduce_from_tp", "shard", "shard_state", "tensor_parallel"]
@@ -182,20 +182,9 @@ class _ParallelAttention(nn.Module):
         self.proj = RowParallelLinear(attn.proj, group, stats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.kv_heads != self.n_heads:
-            # Local query head j uses local k/v head j // group, as in the full model: both sets are
-            # contiguous and t divides both counts, so each rank's groups are whole.
-            group = self.n_heads // self.kv_heads
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, s, q_dim))
+        # Local query head j uses local k/v head j // group, as in the full model: both sets are contiguous
+        # and t divides both counts, so each rank's groups are whole.
+        return self.proj(causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim))
 
 
 class _ParallelMLP(nn.Module):
