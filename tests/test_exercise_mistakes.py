@@ -24,6 +24,7 @@ def _kernel_finds_labkit(monkeypatch):
 # lab, the exercise cell's marker, the check cell's marker, and per mistake: the answer and the hint's words
 SUM = ("00_cluster_tour", "def sum_over_ranks", "check_sum_over_ranks(results")
 TP_COMM = ("01_parallelism_choice", "def my_tp_comm_ms(config, micro_batch, tp, link)", "check_tp_comm(my_tp_comm_ms")
+LAYOUT = ("01_parallelism_choice", "my_layout = (mine.dp, mine.tp, mine.pp)", "check_layout_choice(my_layout")
 ACCUMULATE = ("02_oom_batch", "def accumulate(ddp, batches)", "check_accumulation(fixed")
 DDP_HOOK = ("03_unoverlapped_comms", "class MyOverlappedDDP", "check_overlapped_ddp(drill")
 BALANCE = ("04_imbalanced_pipeline", "def my_balance(costs, stages)", "check_balance(my_balance")
@@ -46,6 +47,17 @@ MISTAKES = {
                                  "1/tp shard"),
     "one block only": (TP_COMM, {"config.n_layers * 4 * collective_time_s": "4 * collective_time_s"},
                        "multiply by the"),
+    "plain data parallelism": (LAYOUT, {"my_layout = (mine.dp, mine.tp, mine.pp)": "my_layout = (8, 1, 1)"},
+                               "more model parallelism"),
+    "tensor parallel over every GPU": (LAYOUT, {"my_layout = (mine.dp, mine.tp, mine.pp)": "my_layout = (1, 8, 1)"},
+                                       "tp group crosses nodes"),
+    "a product that is not the world": (LAYOUT, {"my_layout = (mine.dp, mine.tp, mine.pp)": "my_layout = (2, 2, 1)"},
+                                        "the product must be 8"),
+    "a slow layout that fits": (LAYOUT, {"my_layout = (mine.dp, mine.tp, mine.pp)": "my_layout = (1, 4, 2)"},
+                                "more than 10 % above the fastest"),
+    "a reason without numbers": (LAYOUT, {("my_reason = (", "prediction among the layouts that fit\")"):
+                                          "my_reason = 'pipelines across the nodes are best'"},
+                                 "quote the planner's"),
     "all_reduce result assigned": (SUM, {"dist.all_reduce(t)": "t = dist.all_reduce(t)"},
                                    "returns None"),
     "sum divided by world size": (SUM, {"dist.all_reduce(t)": "dist.all_reduce(t)\n    t /= dist.get_world_size()"},
@@ -107,7 +119,9 @@ MISTAKES = {
 def _mutated(lab: str, exercise: str, check: str, edits: dict[str, str]) -> nbformat.NotebookNode:
     nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    keep = code[:2] + [c for c in code if exercise in c.source or check in c.source]
+    # the parameters, the imports, cells the exercise needs (tagged exercise_setup), the exercise and its check
+    keep = code[:2] + [c for c in code[2:] if exercise in c.source or check in c.source
+                       or "exercise_setup" in c.metadata.get("tags", [])]
     (cell,) = [c for c in keep if exercise in c.source]
     # the solution blocks of the cell (### BEGIN SOLUTION ... ### END SOLUTION) take the edits
     parts = cell.source.split("### END SOLUTION")
@@ -144,7 +158,7 @@ def test_a_plausible_mistake_fails_at_its_check_with_its_hint(name, tmp_path):
     assert took < 60, f"{name}: took {took:.0f} s to fail"
 
 
-@pytest.mark.parametrize("lab,exercise,check", [SUM, TP_COMM, ACCUMULATE, DDP_HOOK, BALANCE, STRAGGLER])
+@pytest.mark.parametrize("lab,exercise,check", [SUM, TP_COMM, LAYOUT, ACCUMULATE, DDP_HOOK, BALANCE, STRAGGLER])
 def test_the_right_answer_passes_the_cut_notebook(lab, exercise, check, tmp_path):
     path = tmp_path / f"{lab}.ipynb"
     nbformat.write(_mutated(lab, exercise, check, {}), path)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_accumulation", "check_balance", "check_find_straggler", "check_overlapped_ddp", "check_sum_over_ranks",
-           "check_tp_comm", "drive_hooks_shuffled"]
+__all__ = ["check_accumulation", "check_balance", "check_find_straggler", "check_layout_choice", "check_overlapped_ddp",
+           "check_sum_over_ranks", "check_tp_comm", "drive_hooks_shuffled"]
 
 
 def check_sum_over_ranks(results: list[Any], world_size: int) -> float:
@@ -332,3 +332,39 @@ def check_tp_comm(fn: Callable[..., float]) -> None:
                              "labkit.links.collective_time_s('all_reduce', nbytes, tp, link) seconds.")
     if fn(cases[0][0], 4, 1, nvlink) != 0:
         raise AssertionError("with tp=1 there is no tensor parallelism and nothing to all-reduce: return 0")
+
+
+def check_layout_choice(layout: Any, reason: str, plan: Any) -> Any:
+    """Lab 01: `layout` = (dp, tp, pp) is a layout of `plan` that divides, fits, keeps tp inside a node and is
+    within 10 % of the fastest prediction; `reason` quotes its predicted ms and its memory per GPU in MiB (each
+    within 5 %). Returns the layout's `labkit.planner.Candidate`."""
+    import re
+
+    if not (isinstance(layout, tuple) and len(layout) == 3 and all(isinstance(v, int) for v in layout)):
+        raise AssertionError(f"my_layout={layout!r}: give a tuple of three whole numbers (dp, tp, pp), e.g. (2, 1, 4)")
+    dp, tp, pp = layout
+    world = plan.cluster.world_size
+    if dp * tp * pp != world:
+        raise AssertionError(f"my_layout={layout}: dp x tp x pp = {dp * tp * pp}, but the cluster has {world} GPUs; "
+                             f"every GPU holds one (dp, tp, pp) coordinate, so the product must be {world}")
+    chosen, best = plan.candidate(dp, tp, pp), plan.best
+    if chosen.reason.startswith("does not fit"):
+        raise AssertionError(f"{chosen.layout} {chosen.reason}. With dp={dp} each replica holds 1/{tp * pp} of the "
+                             "model's weights, gradients and Adam states: more model parallelism (tp or pp) shrinks "
+                             "them, more data parallelism does not.")
+    if chosen.reason.startswith("tp group crosses nodes"):
+        raise AssertionError(f"{chosen.layout}: {chosen.reason}.")
+    if not chosen.ok:
+        raise AssertionError(f"{chosen.layout}: {chosen.reason}")
+    if chosen.predicted_ms > 1.10 * best.predicted_ms:
+        terms = ", ".join(f"{k} {v:.0f}" for k, v in chosen.parts_ms.items() if v)
+        raise AssertionError(f"{chosen.layout} fits, but is predicted at {chosen.predicted_ms:.1f} ms ({terms} ms), "
+                             f"more than 10 % above the fastest layout that fits ({best.layout}, "
+                             f"{best.predicted_ms:.1f} ms): read the table's terms and take the smallest total")
+    numbers = [float(v) for v in re.findall(r"\d+(?:\.\d+)?", reason or "")]
+    mib = chosen.memory.peak / 2**20
+    for what, value, unit in (("predicted step", chosen.predicted_ms, "ms"), ("memory per GPU", mib, "MiB")):
+        if not any(math.isclose(v, value, rel_tol=0.05) for v in numbers):
+            raise AssertionError(f"my_reason={reason!r} does not quote the planner's {what} for {chosen.layout} "
+                                 f"({value:.1f} {unit}): explain the choice with the plan's numbers")
+    return chosen
