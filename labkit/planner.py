@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from labkit import validate
 from labkit.cluster import Cluster
 from labkit.links import Link, collective_time_s
-from labkit.memory import MemoryBreakdown, check_model_parallel, estimate
+from labkit.memory import MemoryBreakdown, check_model_parallel, estimate, stage_params
 from labkit.models import GPTConfig
 from labkit.parallel.layout import Layout
 
@@ -208,9 +208,7 @@ def _predict(c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates:
         pp_s = 2 * sum(collective_time_s("send", act_bytes, 2, lk) for lk in pairs) / len(pairs)
     m = c.micro_batches
     slot = compute + tp_s + pp_s
-    params = c.memory.params // (4 if precision == "fp32" else 2) if c.memory else 0
-    if c.zero_stage >= 3:
-        params *= dp  # the memory holds a 1/dp shard; the gradients are the whole stage's
+    params = max(stage_params(config, tp, pp, s) for s in range(pp))  # the largest stage's dp group is last
     if dp > 1:
         grad_bytes = params * (4 if precision == "fp32" else 2)
         dp_s = collective_time_s("all_reduce", grad_bytes, dp, link["dp"]) * (1.5 if c.zero_stage >= 3 else 1.0)

@@ -115,5 +115,6 @@ def test_every_layout_matches_one_process():
         s = summarize_layout(launch(layout_steps, CONFIG, lay, 16, 2, steps=1, warmup=0, reference=ref, world_size=8,
                                     cluster=cluster, timeout_s=60))
         assert s.grad_error < 1e-5, f"{lay}: gradients differ by {s.grad_error}"
+        assert (s.loss_error is not None and s.loss_error < 1e-5) == (lay.dp == 1), f"{lay}: loss {s.loss_error}"
         assert s.step_ms > 0 and (s.link_bytes["inter"] > 0) == (lay.pp > 1 or lay.tp == 8 or lay.dp == 8)
     assert torch.get_num_threads() == 1

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from labkit import emulate, runtime, validate
 from labkit.experiments.common import seeded_model
 from labkit.models import GPTConfig, synthetic_batch
-from labkit.parallel.pipeline import gpt_loss, layer_names, make_schedule, pipeline_stages
+from labkit.parallel.pipeline import clock_stages, gpt_loss, layer_names, make_schedule, pipeline_stages
 from labkit.pipeline import LayerProfile, bubble_fraction, ideal_step_time, profile_layers
 
 __all__ = ["Plan", "PipelineRankResult", "PipelineSummary", "layer_costs", "pipeline_steps", "summarize_pipeline"]
@@ -55,37 +55,6 @@ class PipelineRankResult:
         """Per step, time this rank computed: step less waiting on the virtual clock, else its spans."""
         span_ms = sum(e - s for _, _, _, s, e in self.spans)
         return [ms - w if w is not None else span_ms for ms, w in zip(self.step_ms, self.waited_ms)]
-
-
-def _clock_spans(stages: list, spans: list, sent: list[int]) -> None:
-    """Record each forward and backward chunk of `stages` on runtime.clock, and the bytes each sends.
-
-    torch.distributed.pipelining has no per-micro-batch hook; every schedule calls these public methods of
-    the stage once per micro-batch (schedules.py: `forward_one_chunk`, `backward_one_chunk`, `get_*_send_ops`),
-    so wrapping them on the instance times exactly the stage's own work, without the waits around it.
-    """
-    for stage in stages:
-        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
-            inner = getattr(stage, name)
-
-            def timed(chunk: int, *args: Any, _inner: Callable = inner, _kind: str = kind, _s: int = stage.stage_index,
-                      **kwargs: Any) -> Any:
-                t0 = runtime.clock()
-                out = _inner(chunk, *args, **kwargs)
-                spans.append((_kind, _s, chunk, t0, runtime.clock()))
-                return out
-
-            setattr(stage, name, timed)
-        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
-            inner = getattr(stage, name)
-
-            def counted(chunk: int, *args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
-                ops = _inner(chunk, *args, **kwargs)
-                sent[0] += len(ops)
-                sent[1] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-                return ops
-
-            setattr(stage, name, counted)
 
 
 def _timed_loss(spans: list, stage_index: int) -> Callable:
@@ -153,7 +122,7 @@ class _Pipeline:
         self.stages = pipeline_stages(self.model, sizes, group, self.dev)
         self.spans: list = []
         self.sent = [0, 0]
-        _clock_spans(self.stages, self.spans, self.sent)
+        clock_stages(self.stages, self.spans, self.sent)
         last = [st for st in self.stages if st.is_last]
         loss = _timed_loss(self.spans, last[0].stage_index) if last else gpt_loss
         self.schedule = make_schedule(self.stages, schedule, micro_batches, loss)

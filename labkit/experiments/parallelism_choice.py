@@ -23,11 +23,10 @@ import torch.distributed as dist
 
 from labkit import runtime
 from labkit.experiments.common import rank_rows, seeded_model
-from labkit.experiments.imbalanced_pipeline import _clock_spans
 from labkit.links import bus_bandwidth_factor
 from labkit.models import GPTConfig, synthetic_batch
 from labkit.parallel.layout import Layout, make_groups
-from labkit.parallel.pipeline import even_split, make_schedule, pipeline_stages
+from labkit.parallel.pipeline import clock_stages, even_split, make_schedule, pipeline_stages
 from labkit.parallel.tensor import TPStats, shard_state, tensor_parallel
 from labkit.planner import Rates, forward_flops_per_token
 
@@ -60,7 +59,8 @@ class LayoutSummary:
     link_bytes: dict[str, int] = field(default_factory=dict)  # summed over ranks, per step
     kind_bytes: dict[str, int] = field(default_factory=dict)
     peak_mib: float | None = None  # the largest rank's peak
-    grad_error: float | None = None
+    grad_error: float | None = None  # the largest over ranks
+    loss_error: float | None = None  # the largest over the ranks that compute the loss (dp = 1 only)
     label: str = ""
 
 
@@ -99,7 +99,7 @@ def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_bat
     sent = [0, 0]
     if layout.pp > 1:
         stages = pipeline_stages(model, even_split(config, layout.pp), groups.pp, dev)
-        _clock_spans(stages, [], sent)
+        clock_stages(stages, [], sent)
         schedule = make_schedule(stages, "1f1b", m)
         module = stages[0].submod
         params = list(module.parameters())
@@ -183,8 +183,10 @@ def summarize_layout(results: list[LayoutRankResult]) -> LayoutSummary:
     kinds = {k: sum(r.kind_bytes[k] for r in results) for k in ("tp", "pp", "dp")}
     peaks = [r.peak_bytes for r in results if r.peak_bytes is not None]
     errors = [r.grad_error for r in results if r.grad_error is not None]
+    losses = [r.loss_error for r in results if r.loss_error is not None]
     return LayoutSummary(results[0].layout, statistics.median(steps), steps, links, kinds,
-                         max(peaks) / 2**20 if peaks else None, max(errors) if errors else None, results[0].label)
+                         max(peaks) / 2**20 if peaks else None, max(errors) if errors else None,
+                         max(losses) if losses else None, results[0].label)
 
 
 def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: int = 0) -> Rates:

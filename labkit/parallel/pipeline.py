@@ -7,7 +7,8 @@ the balanced one, `split_evenly` the naive one); `GPTStage` holds one stage's la
 `pipeline_stages` wraps them in `torch.distributed.pipelining.PipelineStage`s for a rank;
 `make_schedule` picks GPipe (Huang et al. 2019: every forward, then every backward), 1F1B
 (Narayanan et al. 2019, PipeDream-Flush: one forward, one backward in the steady state) or
-interleaved 1F1B (Narayanan et al. 2021, section 2.2: v chunks per rank, stage s on rank s mod p).
+interleaved 1F1B (Narayanan et al. 2021, section 2.2: v chunks per rank, stage s on rank s mod p);
+`clock_stages` records each forward and backward a stage runs on `labkit.runtime.clock`, and what it sends.
 
 The naive version is the usual default: the blocks divided equally over the stages, the embedding on
 the first and the head on the last (`even_split`), which ignores what the layers cost. The process
@@ -18,17 +19,18 @@ emulated cluster's modelled link).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import validate
+from labkit import runtime, validate
 from labkit.models import GPT, GPTConfig
 
-__all__ = ["SCHEDULE_CLASSES", "GPTStage", "even_split", "layer_names", "make_schedule", "pipeline_stages",
-           "stage_of_rank", "gpt_loss"]
+__all__ = ["SCHEDULE_CLASSES", "GPTStage", "clock_stages", "even_split", "layer_names", "make_schedule",
+           "pipeline_stages", "stage_of_rank", "gpt_loss"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -139,3 +141,34 @@ def make_schedule(stages: list, schedule: str, micro_batches: int,
         raise ValueError(f"1F1B needs at least as many micro-batches as stages: micro_batches={micro_batches} < "
                          f"{world}; use micro_batches >= {world} or schedule='gpipe'")
     return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
+
+
+def clock_stages(stages: list, spans: list, sent: list[int]) -> None:
+    """Record each forward and backward chunk of `stages` on runtime.clock, and the bytes each sends.
+
+    torch.distributed.pipelining has no per-micro-batch hook; every schedule calls these public methods of
+    the stage once per micro-batch (schedules.py: `forward_one_chunk`, `backward_one_chunk`, `get_*_send_ops`),
+    so wrapping them on the instance times exactly the stage's own work, without the waits around it.
+    """
+    for stage in stages:
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            inner = getattr(stage, name)
+
+            def timed(chunk: int, *args: Any, _inner: Callable = inner, _kind: str = kind, _s: int = stage.stage_index,
+                      **kwargs: Any) -> Any:
+                t0 = runtime.clock()
+                out = _inner(chunk, *args, **kwargs)
+                spans.append((_kind, _s, chunk, t0, runtime.clock()))
+                return out
+
+            setattr(stage, name, timed)
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+            inner = getattr(stage, name)
+
+            def counted(chunk: int, *args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
+                ops = _inner(chunk, *args, **kwargs)
+                sent[0] += len(ops)
+                sent[1] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                return ops
+
+            setattr(stage, name, counted)
