@@ -2,7 +2,8 @@
 
 `plan(model, cluster, global_batch)` enumerates dp x tp x pp layouts (`labkit.parallel.layout`), and for each
 the micro-batch, ZeRO stage and activation checkpointing; it keeps what fits the GPU's memory
-(`labkit.memory.estimate`, the stage with the highest peak) and predicts a step from four terms:
+(`labkit.memory.estimate`, the stage with the highest peak, gradients kept through the step when there
+are several micro-batches) and predicts a step from four terms:
 
 * compute: the model's FLOPs (forward 2 per weight per token plus attention, backward twice that, a second
   forward with checkpointing; Narayanan et al. 2021, appendix) on the busiest stage, over tp, at `Rates`;
@@ -285,9 +286,11 @@ def _best_option(layout: Layout, config: GPTConfig, cluster: Cluster, topo, glob
         for zero in (zero_stages if layout.dp > 1 else (0,)):
             for ckpt in checkpointing:
                 c = Candidate(layout, mb, m, zero, ckpt, links=base.links)
+                # With m > 1 micro-batches the gradients live through the step (accumulation, and 1F1B's
+                # backwards of early micro-batches before the last forward): keep_grads, as lab 02 measured.
                 c.memory = estimate(model=config, dp=layout.dp, zero_stage=zero, precision=precision,
                                     optimizer=optimizer, micro_batch=mb, seq_len=seq, checkpointing=ckpt,
-                                    tp=layout.tp, pp=layout.pp, micro_batches=m)
+                                    keep_grads=m > 1, tp=layout.tp, pp=layout.pp, micro_batches=m)
                 _predict(c, config, cluster, seq, rates, precision)
                 if smallest is None or c.memory.peak < smallest.memory.peak:
                     smallest = c

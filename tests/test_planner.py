@@ -78,7 +78,7 @@ def test_the_planner_rejects_with_the_values_and_matches_estimate():
     assert tp8.reason.startswith("tp group crosses nodes") and tp8.predicted_ms > 10 * p.best.predicted_ms
     for c in p.candidates:  # the planner's memory is labkit.memory.estimate's
         assert c.memory == estimate(model=CONFIG, dp=c.dp, precision="fp32", micro_batch=c.micro_batch, tp=c.tp,
-                                    pp=c.pp, micro_batches=c.micro_batches)
+                                    pp=c.pp, micro_batches=c.micro_batches, keep_grads=c.micro_batches > 1)
     odd = plan(GPTConfig(n_layers=2, d_model=24, n_heads=6, vocab_size=64, seq_len=8),
                Cluster.emulated(nodes=1, gpus_per_node=4, memory_gib=1.0), 6, rates=RATES)
     assert "does not divide: tensor parallel size 4 does not divide n_heads=6" in odd.candidate(1, 4, 1).reason

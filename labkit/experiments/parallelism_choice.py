@@ -190,25 +190,30 @@ def summarize_layout(results: list[LayoutRankResult]) -> LayoutSummary:
 
 
 def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: int = 0) -> Rates:
-    """This CPU's speed on the model, in CPU time of this thread (as the virtual clock counts it): the
-    model's FLOP/s in forward + backward at `micro_batch`, and Adam's seconds per parameter. Best of repeats."""
-    model = seeded_model(config, seed)
+    """This rank's speed on the model: its FLOP/s in forward + backward at `micro_batch`, and Adam's seconds per
+    parameter, best of `repeats`. Timed on `labkit.runtime.clock` inside a launched rank (CPU time on the
+    virtual clock, the synchronised wall clock on a GPU), else on this thread's CPU time."""
+    inside = runtime.current_cluster() is not None
+    timer = runtime.clock if inside else time.thread_time
+    dev = runtime.device() if inside else torch.device("cpu")
+    model = seeded_model(config, seed, dev)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = synthetic_batch(config, micro_batch, seed=seed)
+    x, y = synthetic_batch(config, micro_batch, seed=seed, device=dev)
     block_f, head_f = forward_flops_per_token(config)
     flops = 3 * micro_batch * config.seq_len * (config.n_layers * block_f + head_f)
     best_fb = best_opt = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.thread_time()
+    for _ in range(repeats + 1):  # the first round warms up (allocator, kernels, Adam's states)
+        t0 = timer()
         model(x, y).backward()
-        t1 = time.thread_time()
+        t1 = timer()
         opt.step()
-        t2 = time.thread_time()
+        t2 = timer()
         opt.zero_grad(set_to_none=False)
         best_fb, best_opt = min(best_fb, t1 - t0), min(best_opt, t2 - t1)
     n = config.num_params()
+    where = "this GPU" if dev.type == "cuda" else "this CPU"
     return Rates(flops / best_fb, best_opt / n,
-                 f"measured on this CPU: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
+                 f"measured on {where}: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
                  f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter")
 
 
