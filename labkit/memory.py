@@ -49,6 +49,7 @@ __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "MemoryBreakdown",
+    "blocks_per_stage",
     "bytes_per_param",
     "check_model_parallel",
     "estimate",
@@ -253,7 +254,7 @@ def estimate(
         return _estimate_stage(_shard(n, tp * pp), None, 1, 0, dp, zero_stage, precision, optimizer, micro_batch,
                                seq_len, checkpointing, keep_grads, activations, tp, f"tp={tp}, pp={pp}")
     check_model_parallel(config, tp, pp)
-    blocks = [config.n_layers // pp + (1 if s < config.n_layers % pp else 0) for s in range(pp)]
+    blocks = blocks_per_stage(config, pp)
     results = []
     for s in sorted({0, pp - 1}):
         in_flight = min(micro_batches or pp, pp - s)
@@ -272,11 +273,16 @@ def check_model_parallel(config: GPTConfig, tp: int, pp: int) -> None:
                          f"use pp <= {config.n_layers}")
 
 
+def blocks_per_stage(config: GPTConfig, pp: int) -> list[int]:
+    """Blocks on each of `pp` stages, shared as `labkit.parallel.pipeline.even_split` does (the first stages
+    take the remainder)."""
+    return [config.n_layers // pp + (1 if s < config.n_layers % pp else 0) for s in range(pp)]
+
+
 def stage_params(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
     """Parameters one rank holds: stage `stage` of `pp` (blocks shared as `even_split`), matrices over `tp`."""
     d, v = config.d_model, config.vocab_size
-    blocks = config.n_layers // pp + (1 if stage < config.n_layers % pp else 0)
-    n = blocks * _block_params(config, tp)
+    n = blocks_per_stage(config, pp)[stage] * _block_params(config, tp)
     if stage == 0:
         n += (v + config.seq_len) * d
     if stage == pp - 1:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from labkit import validate
 from labkit.cluster import Cluster
 from labkit.links import Link, collective_time_s
-from labkit.memory import MemoryBreakdown, check_model_parallel, estimate, stage_params
+from labkit.memory import MemoryBreakdown, blocks_per_stage, check_model_parallel, estimate, stage_params
 from labkit.models import GPTConfig
 from labkit.parallel.layout import Layout
 
@@ -156,7 +156,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _cluster_rates(cluster: Cluster, config: GPTConfig, efficiency: float) -> Rates:
+def _cluster_rates(cluster: Cluster, efficiency: float) -> Rates:
     if cluster.kind == "described":
         return Rates(cluster.peak_tflops * 1e12 * efficiency, 0.0,
                      f"{cluster.peak_tflops:g} TFLOP/s peak x {efficiency:.0%} efficiency, optimizer not counted")
@@ -186,12 +186,12 @@ def tp_comm_s(config: GPTConfig, micro_batch: int, tp: int, link: Link, blocks: 
 def _predict(c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates: Rates, precision: str) -> None:
     """Fill `c.parts_ms` and `c.predicted_ms` (see the module docstring)."""
     topo = cluster.topology()
-    L, pp, tp, dp = config.n_layers, c.pp, c.tp, c.dp
+    pp, tp, dp = c.pp, c.tp, c.dp
     block_f, head_f = forward_flops_per_token(config, seq)
     passes = 4.0 if c.checkpointing else 3.0  # forward + backward (2x), + a recomputed forward
     tokens = c.micro_batch * seq
     act_bytes = tokens * config.d_model * (4 if precision == "fp32" else 2)
-    stage_blocks = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]
+    stage_blocks = blocks_per_stage(config, pp)
     slots = []
     for s, blocks in enumerate(stage_blocks):
         flops = tokens * passes * (blocks * block_f + (head_f if s == pp - 1 else 0)) / tp
@@ -249,7 +249,7 @@ def plan(model: GPTConfig | str, cluster: Cluster, global_batch: int, seq_len: i
                          "cluster with one (Cluster.preset(...), Cluster.emulated(memory_gib=0.25))")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom!r} must be a share of memory in [0, 1): e.g. headroom=0.1 keeps 10 % free")
-    rates = rates or _cluster_rates(cluster, config, efficiency)
+    rates = rates or _cluster_rates(cluster, efficiency)
     world, topo = cluster.world_size, cluster.topology()
     candidates = []
     for tp in _divisors(world):
