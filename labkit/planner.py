@@ -309,7 +309,7 @@ def _best_option(layout: Layout, config: GPTConfig, cluster: Cluster, topo, glob
     if layout.tp > 1 and best.links.get("tp") == "inter" and not tp_across_nodes:
         best.reason = (f"tp group crosses nodes: {2 * config.n_layers * 2} all-reduces per micro-batch on the "
                        f"inter-node link ({best.parts_ms['tp']:.1f} ms predicted); keep tp <= "
-                       f"{cluster.gpus_per_node} GPUs per node (Narayanan et al. 2021, section 3.2)")
+                       f"{cluster.gpus_per_node} GPUs per node (Narayanan et al. 2021, section 3.2, takeaway #1)")
     return best
 
 

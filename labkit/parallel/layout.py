@@ -1,7 +1,8 @@
 """Layouts: which rank does which share of the work when data, tensor and pipeline parallelism combine.
 
 A `Layout(dp, tp, pp)` puts dp x tp x pp ranks on a grid. Ranks are numbered with tensor parallelism
-fastest, then data, then pipeline (Megatron-LM's order, Narayanan et al. 2021, section 3.3):
+fastest, then data, then pipeline (Megatron-Core's default order "tp-cp-ep-dp-pp", without context and
+expert parallelism: `initialize_model_parallel` in megatron/core/parallel_state.py):
 
     rank = (pp_index * dp + dp_index) * tp + tp_index
 
