@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
     base = Path(args.out)
     out = new_run_dir(base)  # a folder of its own: never mixed with an earlier run
+    os.environ["LABKIT_TEXT_ONLY"] = "1"  # the kernels papermill starts: quizzes as text (labkit.quiz.show)
     params = {"cluster": args.cluster, **_parse_params(args.param)}
     results = []
     failed = []
@@ -221,6 +222,42 @@ def build(args: argparse.Namespace) -> int:
     return 0
 
 
+def quiz(args: argparse.Namespace) -> int:
+    from labkit import quiz as q
+
+    try:
+        questions = q.exam(args.exam, args.seed) if args.exam else q.bank(args.topic, args.seed)
+    except ValueError as exc:
+        print(f"labkit quiz: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.print:
+        print(q.text_form(questions))
+        return 0
+    try:
+        q.run_terminal(questions, minutes=args.minutes if args.exam else None)
+    except (EOFError, KeyboardInterrupt):
+        print("\nlabkit quiz: stopped", file=sys.stderr)
+        return 1
+    return 0
+
+
+def grade(args: argparse.Namespace) -> int:
+    from labkit.course.grade import grade_folder, table, write_csv
+
+    os.environ["LABKIT_TEXT_ONLY"] = "1"
+    params = {"cluster": args.cluster, **_parse_params(args.param)}
+    try:
+        grades = grade_folder(args.folder, params, args.timeout)
+    except ValueError as exc:
+        print(f"labkit grade: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(table(grades))
+    if args.csv:
+        write_csv(grades, args.csv)
+        print(f"wrote {args.csv}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit", description="Multi-GPU Mistakes Lab tools")
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -251,6 +288,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="fail when labs/ is stale instead of writing")
     p.add_argument("--root", help="course folder holding solutions/ and labs/ (default: here or the checkout)")
     p.set_defaults(func=build)
+
+    p = sub.add_parser("quiz", help="practice questions in the terminal (certification prep)", formatter_class=fmt)
+    p.add_argument("--topic", help="one topic: cluster, parallelism, memory, precision, communication, pipeline, "
+                                   "profiling (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="draws the numeric questions; the same seed, the same paper")
+    p.add_argument("--exam", type=int, metavar="N", help="a timed mock exam of N questions over every topic")
+    p.add_argument("--minutes", type=float, default=30.0, help="the mock exam's time limit")
+    p.add_argument("--print", action="store_true", help="print the questions and the key instead of asking")
+    p.set_defaults(func=quiz)
+
+    p = sub.add_parser("grade", help="run learners' lab notebooks and report which checks pass", formatter_class=fmt)
+    p.add_argument("folder", help="learners' notebooks: FOLDER/<learner>/<NN_lab>.ipynb")
+    p.add_argument("--cluster", default="cpu", choices=["auto", "cpu", "gpu"], help=cluster_help)
+    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                   help="notebook parameter for every notebook (JSON value or a bare word), repeatable")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one cell may run")
+    p.add_argument("--csv", help="also write the grades to this CSV file (learner, lab, check, status)")
+    p.set_defaults(func=grade)
 
     p = sub.add_parser("report", help="rewrite the report of a run folder")
     p.add_argument("run_dir", help="a folder `labkit run --out` wrote (it holds report.json)")

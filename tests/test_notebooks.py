@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from labkit.course.notebooks import (
-    _is_stub_error,
+    is_stub_error,
     build,
     check,
     has_outputs,
@@ -232,10 +232,10 @@ def test_lint(tmp_path: Path) -> None:
 
 
 def test_stub_error_is_recognised_when_a_worker_re_raises_it() -> None:
-    assert _is_stub_error("NotImplementedError", "Exercise: do it (about 2 lines)", [])
-    assert _is_stub_error("ProcessRaisedException", "\n\n-- Process 0 terminated...\nNotImplementedError: Exercise: x", [])
-    assert not _is_stub_error("NotImplementedError", "not an exercise", [])
-    assert not _is_stub_error("NameError", "name 'x' is not defined", [])
+    assert is_stub_error("NotImplementedError", "Exercise: do it (about 2 lines)", [])
+    assert is_stub_error("ProcessRaisedException", "\n\n-- Process 0 terminated...\nNotImplementedError: Exercise: x", [])
+    assert not is_stub_error("NotImplementedError", "not an exercise", [])
+    assert not is_stub_error("NameError", "name 'x' is not defined", [])
 
 
 @pytest.fixture

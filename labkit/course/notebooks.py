@@ -322,7 +322,7 @@ def lint(path: str | Path) -> list[str]:
 # ---------------------------------------------------------------- run until the first stub
 
 
-def _is_stub_error(ename: str, evalue: str, traceback: Iterable[str]) -> bool:
+def is_stub_error(ename: str, evalue: str, traceback: Iterable[str]) -> bool:
     """True if the error is an exercise stub's NotImplementedError (possibly re-raised by a worker)."""
     if ename == "NotImplementedError" and evalue.startswith(STUB_PREFIX):
         return True
@@ -378,7 +378,7 @@ def run_until_stub(
             )
         except PapermillExecutionError as exc:
             where = _describe_cell(nb, exc.source)
-            if _is_stub_error(exc.ename, exc.evalue, exc.traceback):
+            if is_stub_error(exc.ename, exc.evalue, exc.traceback):
                 return True, f"{path.name}: reached the exercise stub in {where}: {exc.evalue}"
             return False, (
                 f"{path.name}: {where} raised {exc.ename}: {exc.evalue} "

@@ -1,0 +1,16 @@
+"""Certification practice: a question bank over the course's topics, shown as a quiz or a timed mock exam.
+
+    labkit.quiz.show(topic="memory")   # widgets in JupyterLab, text under papermill or in a terminal
+    labkit.quiz.mock_exam(n=20, seed=7)
+    labkit.quiz.bank()                 # the questions as data
+
+* `bank.py`: `Question`, `TOPICS`, `bank`, `exam`, `grade`, `score`;
+* `questions.py`: the multiple-choice questions, as data, each pointing to the lab section that teaches it;
+* `generated.py`: numeric questions whose answers come from labkit's own formulas, fresh numbers per seed;
+* `show.py`: the widget quiz, the text form and `labkit quiz`'s terminal loop.
+"""
+
+from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
+from labkit.quiz.show import mock_exam, run_terminal, show, text_form
+
+__all__ = ["TOPICS", "Question", "bank", "exam", "grade", "mock_exam", "run_terminal", "score", "show", "text_form"]

@@ -1,0 +1,124 @@
+"""The question bank: multiple-choice questions kept as data, numeric ones generated from labkit's formulas.
+
+`Question` is one question; `bank(topic=None, seed=0)` returns the multiple-choice questions
+(`labkit.quiz.questions`) and one fresh instance of every numeric generator (`labkit.quiz.generated`),
+drawn with `seed`, so the same seed gives the same paper and another seed new numbers; `exam(n, seed)` a
+mixed mock exam balanced over the topics; `grade(question, answer)` says whether an answer is right and
+why; `score(results)` scores by topic. Every question points to the lab section that teaches it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from labkit import validate
+
+__all__ = ["TOPICS", "Question", "bank", "exam", "grade", "score"]
+
+# topic -> (what it covers, the lab that teaches it)
+TOPICS: dict[str, tuple[str, str]] = {
+    "cluster": ("ranks, collectives and bus bandwidth", "00_cluster_tour"),
+    "parallelism": ("data, tensor and pipeline parallelism, and choosing between them", "01_parallelism_choice"),
+    "memory": ("model states, ZeRO, activations and the batch", "02_oom_batch"),
+    "precision": ("bf16, fp16 with loss scaling, and allocator fragmentation", "02_oom_batch"),
+    "communication": ("gradient buckets, overlap and no_sync", "03_unoverlapped_comms"),
+    "pipeline": ("the bubble, schedules and balancing stages", "04_imbalanced_pipeline"),
+    "profiling": ("traces, stragglers, data loading and host syncs", "05_unprofiled_run"),
+}
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question. `kind` "choice": `answer` is the index of the right one of `choices`; "numeric":
+    `answer` is the value in `unit`, right within `tolerance` (relative)."""
+
+    id: str
+    topic: str
+    kind: str
+    text: str
+    answer: float
+    explanation: str
+    reference: str  # the lab notebook's stem
+    section: str  # the start of a heading in that notebook
+    choices: tuple[str, ...] = ()
+    unit: str = ""
+    tolerance: float = 0.02
+    params: dict = field(default_factory=dict, compare=False)  # a generated question's inputs
+
+    @property
+    def where(self) -> str:
+        return f"lab {self.reference}, section \"{self.section.strip()}...\""
+
+    @property
+    def correct(self) -> str:
+        """The right answer, as a learner would write it."""
+        if self.kind == "choice":
+            return self.choices[int(self.answer)]
+        return f"{self.answer:.4g} {self.unit}".strip()
+
+
+def _choice(d: dict) -> Question:
+    return Question(d["id"], d["topic"], "choice", d["text"], d["answer"], d["explanation"], d["reference"],
+                    d["section"], tuple(d["choices"]))
+
+
+def bank(topic: str | None = None, seed: int = 0) -> list[Question]:
+    """Every multiple-choice question and one instance of each numeric generator (numbers drawn with
+    `seed`), of one topic or all."""
+    from labkit.quiz.generated import GENERATORS
+    from labkit.quiz.questions import CHOICE_QUESTIONS
+
+    if topic is not None:
+        validate.one_of("topic", topic, tuple(TOPICS), 'labkit.quiz.bank(topic="memory")')
+    validate.non_negative_int("seed", seed, "labkit.quiz.bank(seed=0)")
+    rng = random.Random(seed)
+    questions = [_choice(d) for d in CHOICE_QUESTIONS] + [make(rng) for make in GENERATORS]
+    return [q for q in questions if topic is None or q.topic == topic]
+
+
+def exam(n: int = 20, seed: int = 0) -> list[Question]:
+    """A mock exam of `n` questions, taking the topics in turn (each topic's questions shuffled by `seed`)."""
+    validate.positive_int("n", n, "labkit.quiz.exam(n=20)")
+    rng = random.Random(seed)
+    pools = {t: bank(t, seed) for t in TOPICS}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    total = sum(len(p) for p in pools.values())
+    if n > total:
+        raise ValueError(f"n={n} is more than the bank's {total} questions: use n <= {total}")
+    picked: list[Question] = []
+    while len(picked) < n:
+        for pool in pools.values():
+            if pool and len(picked) < n:
+                picked.append(pool.pop())
+    rng.shuffle(picked)
+    return picked
+
+
+def grade(question: Question, answer: object) -> tuple[bool, str]:
+    """(right?, feedback): the right answer, the explanation and where the course teaches it."""
+    if question.kind == "choice":
+        try:
+            ok = int(answer) == int(question.answer)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            ok = answer == question.correct
+    else:
+        try:
+            value = float(answer)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False, f"{answer!r} is not a number; the answer is {question.correct}. {question.explanation}"
+        ok = math.isclose(value, question.answer, rel_tol=question.tolerance, abs_tol=1e-12)
+    verdict = "Right" if ok else f"Not quite: the answer is {question.correct}"
+    return ok, f"{verdict}. {question.explanation} (See {question.where}.)"
+
+
+def score(results: list[tuple[Question, bool]]) -> dict[str, tuple[int, int]]:
+    """Per topic (and "all"): (right, asked)."""
+    out: dict[str, tuple[int, int]] = {}
+    for q, ok in results:
+        for key in (q.topic, "all"):
+            right, asked = out.get(key, (0, 0))
+            out[key] = (right + int(ok), asked + 1)
+    return out

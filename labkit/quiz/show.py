@@ -1,0 +1,145 @@
+"""Showing questions: an ipywidgets quiz in JupyterLab, plain text where widgets cannot render, a terminal loop.
+
+`show(topic=None, seed=0, n=None)` renders widgets when it runs in a Jupyter kernel that a browser is
+looking at, and the plain-text form otherwise: in a terminal, and under papermill or `labkit run`, which
+set `LABKIT_TEXT_ONLY=1` for the kernel (a widget in an executed notebook file is an empty box). The text
+form prints the questions, then the answers with their explanations, so an executed notebook is a
+worksheet with its key. `mock_exam(n, seed, minutes)` is the timed exam (widgets: a countdown and a
+submit button; scored by topic). `run_terminal(questions, ask=input)` is `labkit quiz`'s loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
+
+__all__ = ["TEXT_ONLY_ENV", "mock_exam", "run_terminal", "show", "text_form"]
+
+TEXT_ONLY_ENV = "LABKIT_TEXT_ONLY"
+
+
+def _widgets_ok() -> bool:
+    if os.environ.get(TEXT_ONLY_ENV):
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def _prompt(q: Question, number: int) -> list[str]:
+    lines = [f"Q{number} [{q.topic}] {q.text}"]
+    if q.kind == "choice":
+        lines += [f"   {chr(ord('a') + i)}) {c}" for i, c in enumerate(q.choices)]
+    else:
+        lines.append(f"   (a number, in {q.unit}; within {q.tolerance:.0%})" if q.tolerance else
+                     f"   (a whole number of {q.unit})")
+    return lines
+
+
+def text_form(questions: list[Question]) -> str:
+    """The questions, then the key: each answer, its explanation and where the course teaches it."""
+    lines = []
+    for i, q in enumerate(questions, 1):
+        lines += _prompt(q, i) + [""]
+    lines.append("Answers")
+    for i, q in enumerate(questions, 1):
+        lines.append(f"Q{i}: {q.correct}. {q.explanation} (See {q.where}.)")
+    return "\n".join(lines)
+
+
+def _parse(q: Question, raw: str) -> object:
+    raw = raw.strip()
+    if q.kind == "choice" and len(raw) == 1 and raw.isalpha():
+        return ord(raw.lower()) - ord("a")
+    return raw
+
+
+def run_terminal(questions: list[Question], ask: Callable[[str], str] = input,
+                 say: Callable[[str], None] = print, minutes: float | None = None) -> dict[str, tuple[int, int]]:
+    """Ask each question, give feedback at once, and print the score by topic; returns it.
+    With `minutes`, questions after the time is up count as unanswered."""
+    results, start = [], time.monotonic()
+    for i, q in enumerate(questions, 1):
+        if minutes is not None and time.monotonic() - start > minutes * 60:
+            say(f"time is up ({minutes:g} min): the remaining {len(questions) - i + 1} question(s) count as wrong")
+            results += [(rest, False) for rest in questions[i - 1:]]
+            break
+        say("\n".join(_prompt(q, i)))
+        ok, feedback = grade(q, _parse(q, ask("your answer: ")))
+        say(feedback + "\n")
+        results.append((q, ok))
+    scores = score(results)
+    say(_score_lines(scores))
+    return scores
+
+
+def _score_lines(scores: dict[str, tuple[int, int]]) -> str:
+    rows = [f"{topic:<14} {right}/{asked}" for topic, (right, asked) in scores.items() if topic != "all"]
+    right, asked = scores.get("all", (0, 0))
+    return "\n".join(["score by topic:"] + rows + [f"{'all':<14} {right}/{asked} ({right / max(asked, 1):.0%})"])
+
+
+def show(topic: str | None = None, seed: int = 0, n: int | None = None, widgets: bool | None = None):
+    """The bank's questions (of one topic) as a quiz: widgets in JupyterLab, else the text form (printed).
+    Returns the widget, or the text."""
+    questions = bank(topic, seed)[:n]
+    if not (_widgets_ok() if widgets is None else widgets):
+        text = text_form(questions)
+        print(text)
+        return text
+    return _quiz_widget(questions)
+
+
+def mock_exam(n: int = 20, seed: int = 0, minutes: float = 30.0, widgets: bool | None = None):
+    """A timed mock exam over every topic, scored by topic: widgets in JupyterLab, else the text form."""
+    questions = exam(n, seed)
+    if not (_widgets_ok() if widgets is None else widgets):
+        text = f"Mock exam: {n} questions, {minutes:g} minutes, topics: {', '.join(TOPICS)}\n\n" + text_form(questions)
+        print(text)
+        return text
+    return _quiz_widget(questions, minutes=minutes)
+
+
+def _quiz_widget(questions: list[Question], minutes: float | None = None):
+    """One box per question (choices or a number, a check button, feedback), and the score by topic."""
+    import ipywidgets as w
+
+    answered: dict[int, bool] = {}
+    total = w.HTML(f"<b>score: 0/{len(questions)}</b>")
+    start = time.monotonic()
+
+    def update() -> None:
+        scores = score([(questions[i], ok) for i, ok in answered.items()])
+        per = ", ".join(f"{t} {r}/{a}" for t, (r, a) in scores.items() if t != "all")
+        total.value = f"<b>score: {sum(answered.values())}/{len(questions)}</b> {per}"
+
+    boxes = []
+    for i, q in enumerate(questions):
+        if q.kind == "choice":
+            entry = w.RadioButtons(options=[(c, k) for k, c in enumerate(q.choices)], value=None,
+                                   layout=w.Layout(width="auto"))
+        else:
+            entry = w.Text(placeholder=f"a number, in {q.unit}")
+        button = w.Button(description="Check", button_style="primary")
+        feedback = w.HTML()
+
+        def check(_, i=i, q=q, entry=entry, feedback=feedback, button=button) -> None:
+            if minutes is not None and time.monotonic() - start > minutes * 60:
+                feedback.value = f"<i>time is up ({minutes:g} min)</i>"
+                return
+            ok, text = grade(q, entry.value)
+            answered.setdefault(i, ok)  # the first answer counts
+            feedback.value = f"<span style='color:{'green' if ok else 'firebrick'}'>{text}</span>"
+            button.disabled = True
+            update()
+
+        button.on_click(check)
+        boxes.append(w.VBox([w.HTML(f"<b>Q{i + 1}</b> <i>[{q.topic}]</i> {q.text}"), entry, button, feedback]))
+    header = [w.HTML(f"<b>Mock exam</b>: {len(questions)} questions, {minutes:g} minutes from now")] if minutes else []
+    return w.VBox(header + boxes + [total])
