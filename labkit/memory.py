@@ -227,7 +227,8 @@ def estimate(
     section 2.2; ``micro_batches`` = m, None: pp), so the first stage holds about one
     micro-batch of the whole model's block activations (Korthikanti et al. 2022, section 4.2.3).
     The result is the stage with the highest peak (its ``source`` names it). With ``params``
-    only, the count is divided by tp x pp.
+    only, the count is divided by tp x pp. Not counted: torch.distributed.pipelining's receive
+    buffers (one activation and one gradient per micro-batch on a stage, allocated up front).
     """
     if (params is None) == (model is None):
         raise ValueError(

@@ -15,6 +15,7 @@ from labkit.memory import estimate, stage_params
 from labkit.models import GPTConfig
 from labkit.parallel.layout import Layout
 from labkit.parallel.pipeline import GPTStage, even_split
+from labkit.course.checks import check_layout_choice
 from labkit.planner import Rates, plan, spearman, tp_comm_s
 
 CONFIG = GPTConfig(n_layers=8, d_model=128, n_heads=8, vocab_size=1024, seq_len=64)
@@ -118,3 +119,21 @@ def test_every_layout_matches_one_process():
         assert (s.loss_error is not None and s.loss_error < 1e-5) == (lay.dp == 1), f"{lay}: loss {s.loss_error}"
         assert s.step_ms > 0 and (s.link_bytes["inter"] > 0) == (lay.pp > 1 or lay.tp == 8 or lay.dp == 8)
     assert torch.get_num_threads() == 1
+
+
+def test_the_layout_choice_check_names_each_mistake():
+    # The two wrong answers the notebook's mutation tests do not run (they need no kernel): the same check.
+    cluster = Cluster.emulated(nodes=2, gpus_per_node=4, memory_gib=28 / 1024)
+    p = plan(CONFIG, cluster, 32, precision="fp32", rates=RATES, micro_batch_sizes=(4, 8), zero_stages=(0,),
+             checkpointing=(False,))
+    best = p.best
+    reason = f"{best.layout}: {best.predicted_ms:.1f} ms, {best.memory.peak / 2**20:.1f} MiB per GPU"
+    assert check_layout_choice((best.dp, best.tp, best.pp), reason, p) is best
+    with pytest.raises(AssertionError, match="the product must be 8"):
+        check_layout_choice((2, 2, 1), reason, p)
+    with pytest.raises(AssertionError, match="quote the planner's predicted step"):
+        check_layout_choice((best.dp, best.tp, best.pp), "pipelines across the nodes are best", p)
+    with pytest.raises(AssertionError, match="quote the planner's memory per GPU"):
+        check_layout_choice((best.dp, best.tp, best.pp), f"{best.predicted_ms:.1f} ms", p)
+    with pytest.raises(AssertionError, match="a tuple of three whole numbers"):
+        check_layout_choice([2, 1, 4], reason, p)

@@ -5,7 +5,7 @@
     labkit.quiz.bank()                 # the questions as data
 
 * `bank.py`: `Question`, `TOPICS`, `bank`, `exam`, `grade`, `score`;
-* `questions.py`: the multiple-choice questions, as data, each pointing to the lab section that teaches it;
+* `questions.json`: the multiple-choice questions, as data, each pointing to the lab section that teaches it;
 * `generated.py`: numeric questions whose answers come from labkit's own formulas, fresh numbers per seed;
 * `show.py`: the widget quiz, the text form and `labkit quiz`'s terminal loop.
 """

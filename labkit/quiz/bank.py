@@ -1,7 +1,14 @@
 """The question bank: multiple-choice questions kept as data, numeric ones generated from labkit's formulas.
 
+The multiple-choice questions are `questions.json` in this package: a list of objects with `id` (kebab-case,
+starting with its topic), `topic` (one of `TOPICS`), `text`, `choices` (3 to 5, exactly one right, never
+"all of the above"), `answer` (the right choice's index), `explanation` (why, naming the paper or document a
+fact comes from), `reference` (the lab notebook's stem) and `section` (the start of a heading in it). They
+are about what holds on real GPUs (NCCL, CUDA, PyTorch), not the emulated cluster's modelling choices;
+arithmetic is left to the generators.
+
 `Question` is one question; `bank(topic=None, seed=0)` returns the multiple-choice questions
-(`labkit.quiz.questions`) and one fresh instance of every numeric generator (`labkit.quiz.generated`),
+and one fresh instance of every numeric generator (`labkit.quiz.generated`),
 drawn with `seed`, so the same seed gives the same paper and another seed new numbers; `exam(n, seed)` a
 mixed mock exam balanced over the topics; `grade(question, answer)` says whether an answer is right and
 why; `score(results)` scores by topic. Every question points to the lab section that teaches it.
@@ -9,13 +16,15 @@ why; `score(results)` scores by topic. Every question points to the lab section 
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from importlib import resources
 from dataclasses import dataclass, field
 
 from labkit import validate
 
-__all__ = ["TOPICS", "Question", "bank", "exam", "grade", "score"]
+__all__ = ["TOPICS", "Question", "bank", "choice_questions", "exam", "grade", "score"]
 
 # topic -> (what it covers, the lab that teaches it)
 TOPICS: dict[str, tuple[str, str]] = {
@@ -64,17 +73,21 @@ def _choice(d: dict) -> Question:
                     d["section"], tuple(d["choices"]))
 
 
+def choice_questions() -> list[dict]:
+    """The multiple-choice questions as stored (`questions.json`)."""
+    return json.loads(resources.files("labkit.quiz").joinpath("questions.json").read_text(encoding="utf-8"))
+
+
 def bank(topic: str | None = None, seed: int = 0) -> list[Question]:
     """Every multiple-choice question and one instance of each numeric generator (numbers drawn with
     `seed`), of one topic or all."""
     from labkit.quiz.generated import GENERATORS
-    from labkit.quiz.questions import CHOICE_QUESTIONS
 
     if topic is not None:
         validate.one_of("topic", topic, tuple(TOPICS), 'labkit.quiz.bank(topic="memory")')
     validate.non_negative_int("seed", seed, "labkit.quiz.bank(seed=0)")
     rng = random.Random(seed)
-    questions = [_choice(d) for d in CHOICE_QUESTIONS] + [make(rng) for make in GENERATORS]
+    questions = [_choice(d) for d in choice_questions()] + [make(rng) for make in GENERATORS]
     return [q for q in questions if topic is None or q.topic == topic]
 
 

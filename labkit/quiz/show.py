@@ -1,8 +1,8 @@
 """Showing questions: an ipywidgets quiz in JupyterLab, plain text where widgets cannot render, a terminal loop.
 
 `show(topic=None, seed=0, n=None)` renders widgets when it runs in a Jupyter kernel that a browser is
-looking at, and the plain-text form otherwise: in a terminal, and under papermill or `labkit run`, which
-set `LABKIT_TEXT_ONLY=1` for the kernel (a widget in an executed notebook file is an empty box). The text
+looking at, and the plain-text form otherwise (`labkit.widgets.widgets_can_render`: a terminal, or papermill
+under `labkit run`, which sets `LABKIT_TEXT_ONLY=1` for the kernel). The text
 form prints the questions, then the answers with their explanations, so an executed notebook is a
 worksheet with its key. `mock_exam(n, seed, minutes)` is the timed exam (widgets: a countdown and a
 submit button; scored by topic). `run_terminal(questions, ask=input)` is `labkit quiz`'s loop.
@@ -10,27 +10,13 @@ submit button; scored by topic). `run_terminal(questions, ask=input)` is `labkit
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
+from labkit.widgets import widgets_can_render
 
-__all__ = ["TEXT_ONLY_ENV", "mock_exam", "run_terminal", "show", "text_form"]
-
-TEXT_ONLY_ENV = "LABKIT_TEXT_ONLY"
-
-
-def _widgets_ok() -> bool:
-    if os.environ.get(TEXT_ONLY_ENV):
-        return False
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
-
+__all__ = ["mock_exam", "run_terminal", "show", "text_form"]
 
 def _prompt(q: Question, number: int) -> list[str]:
     lines = [f"Q{number} [{q.topic}] {q.text}"]
@@ -89,7 +75,7 @@ def show(topic: str | None = None, seed: int = 0, n: int | None = None, widgets:
     """The bank's questions (of one topic) as a quiz: widgets in JupyterLab, else the text form (printed).
     Returns the widget, or the text."""
     questions = bank(topic, seed)[:n]
-    if not (_widgets_ok() if widgets is None else widgets):
+    if not (widgets_can_render() if widgets is None else widgets):
         text = text_form(questions)
         print(text)
         return text
@@ -99,7 +85,7 @@ def show(topic: str | None = None, seed: int = 0, n: int | None = None, widgets:
 def mock_exam(n: int = 20, seed: int = 0, minutes: float = 30.0, widgets: bool | None = None):
     """A timed mock exam over every topic, scored by topic: widgets in JupyterLab, else the text form."""
     questions = exam(n, seed)
-    if not (_widgets_ok() if widgets is None else widgets):
+    if not (widgets_can_render() if widgets is None else widgets):
         text = f"Mock exam: {n} questions, {minutes:g} minutes, topics: {', '.join(TOPICS)}\n\n" + text_form(questions)
         print(text)
         return text
