@@ -2,10 +2,10 @@
 
 `show(topic=None, seed=0, n=None)` renders widgets when it runs in a Jupyter kernel that a browser is
 looking at, and the plain-text form otherwise (`labkit.widgets.widgets_can_render`: a terminal, or papermill
-under `labkit run`, which sets `LABKIT_TEXT_ONLY=1` for the kernel). The text
-form prints the questions, then the answers with their explanations, so an executed notebook is a
-worksheet with its key. `mock_exam(n, seed, minutes)` is the timed exam (widgets: a countdown and a
-submit button; scored by topic). `run_terminal(questions, ask=input)` is `labkit quiz`'s loop.
+under `labkit run`, which sets `LABKIT_TEXT_ONLY=1` for the kernel). The text form prints the questions,
+then the answers with their explanations, so an executed notebook is a worksheet with its key.
+`mock_exam(n, seed, minutes)` is the timed exam over every topic, scored by topic (widgets: an answer after
+the time limit no longer counts). `run_terminal(questions, ask=input)` is `labkit quiz`'s loop.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
 from labkit.widgets import widgets_can_render
 
 __all__ = ["mock_exam", "run_terminal", "show", "text_form"]
+
 
 def _prompt(q: Question, number: int) -> list[str]:
     lines = [f"Q{number} [{q.topic}] {q.text}"]
