@@ -44,6 +44,14 @@ def test_model_parallel_memory_counts_what_each_rank_holds():
         for s in range(pp):
             held = sum(p.numel() for p in GPTStage(model, starts[s], starts[s + 1]).parameters())
             assert stage_params(SMALL, 1, pp, s) == held
+    # tp > 1: the estimate's count is what the tensor-parallel slicing rule keeps on a rank
+    from labkit.parallel.tensor import shard_state
+
+    for config in (SMALL, GPTConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=8)):
+        full = dict(seeded_model(config).named_parameters())
+        for tp in (2, 4) if config.kv_heads % 4 == 0 else (2,):
+            kept = sum(t.numel() for t in shard_state(full, config, 0, tp).values())
+            assert stage_params(config, tp) == kept, (config, tp)
     one = estimate(model=CONFIG, precision="fp32", micro_batch=4)
     assert estimate(model=CONFIG, precision="fp32", micro_batch=4, tp=1, pp=1) == one
     tp2 = estimate(model=CONFIG, precision="fp32", micro_batch=4, tp=2)
