@@ -8,14 +8,14 @@
 * `plots.py`: `plot_timeline`, and `plot_pipeline` (a pipeline step as a Gantt chart);
 * `phases.py`: `phase`, a named region in the host trace, NVTX and the device timeline;
 * `analyze.py`: `analyze`, where each rank's step went (compute, comm, waiting, data, host syncs);
-* `diagnose.py`: `diagnose`, the likely bottleneck of a run with its evidence.
+* `diagnose.py`: `diagnose`, the likely bottleneck of a run with its evidence (`findings`: every rule that fires).
 """
 
 from labkit.trace.analyze import RankBreakdown, analyze
 from labkit.trace.capture import capture
 from labkit.trace.commlog import CommLog, CommSpan
 from labkit.trace.device import device_trace_path
-from labkit.trace.diagnose import Diagnosis, diagnose
+from labkit.trace.diagnose import Diagnosis, diagnose, findings
 from labkit.trace.phases import phase
 from labkit.trace.plots import mark_diagnosis, plot_pipeline, plot_timeline
 from labkit.trace.timeline import Step, Trace, TraceEvent, classify, overlap, read_trace, step_lanes
@@ -33,6 +33,7 @@ __all__ = [
     "classify",
     "device_trace_path",
     "diagnose",
+    "findings",
     "mark_diagnosis",
     "overlap",
     "phase",

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from labkit.trace.analyze import RankBreakdown, analyze
 
-__all__ = ["KINDS", "Diagnosis", "diagnose"]
+__all__ = ["KINDS", "Diagnosis", "diagnose", "findings"]
 
 KINDS = ("straggler", "data_loading", "small_collectives", "sync_collective", "host_sync", "none")
 DATA_SHARE = 0.15
@@ -139,14 +139,28 @@ def _check_sync_collective(b: list[RankBreakdown]) -> Diagnosis | None:
                      "with compute still to do after them: a blocking collective outside backward (logging?)", b)
 
 
+_RULES = (_check_data, _check_host_sync, _check_straggler, _check_small, _check_sync_collective)
+
+
+def findings(traces: str | Path | Sequence[str | Path]) -> list[Diagnosis]:
+    """Every rule that fires on one run, in `diagnose`'s order; empty when none does. A job with several
+    mistakes shows several (the capstone): fix the first, measure again."""
+    b = analyze(traces)
+    return [found for found in (rule(b) for rule in _RULES) if found is not None]
+
+
 def diagnose(traces: str | Path | Sequence[str | Path]) -> Diagnosis:
     """The likely bottleneck of one run: a directory of its per-rank traces, or a list of their paths."""
     b = analyze(traces)
-    for check in (_check_data, _check_host_sync, _check_straggler, _check_small, _check_sync_collective):
-        found = check(b)
+    for rule in _RULES:
+        found = rule(b)
         if found is not None:
             return found
     worst = max(b, key=lambda r: r.wait_ms / r.step_ms)
+    slow = max(b, key=lambda r: r.compute_ms + r.data_ms)
+    others = [r.compute_ms + r.data_ms for r in b if r.rank != slow.rank] or [slow.compute_ms + slow.data_ms]
+    ratio = (slow.compute_ms + slow.data_ms) / max(statistics.median(others), 1e-9)
     return Diagnosis("none", None, f"no rule fired: the most any rank waits is {_pct(worst.wait_ms / worst.step_ms)} "
                      f"of its step (rank {worst.rank}), data loading and host syncs are below "
-                     f"{_pct(DATA_SHARE)} and {_pct(HOST_SYNC_SHARE)}, compute is even across ranks", b)
+                     f"{_pct(DATA_SHARE)} and {_pct(HOST_SYNC_SHARE)}, and the busiest rank (rank {slow.rank}) "
+                     f"computes {ratio:.2f}x the others' median (a straggler: {STRAGGLER_RATIO}x)", b)
