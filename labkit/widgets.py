@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported on first use, so `labkit quiz` starts fast
     from labkit.memory import MemoryBreakdown
     from labkit.models import GPTConfig
 
-__all__ = ["CARDS", "TEXT_ONLY_ENV", "MemoryCalculator", "memory_calculator", "memory_figure", "pipeline_explorer",
-           "pipeline_figure", "widgets_can_render"]
+__all__ = ["CARDS", "TEXT_ONLY_ENV", "MemoryCalculator", "displayed", "memory_calculator", "memory_figure",
+           "pipeline_explorer", "pipeline_figure", "widgets_can_render"]
 
 TEXT_ONLY_ENV = "LABKIT_TEXT_ONLY"
 
@@ -38,6 +38,16 @@ def widgets_can_render() -> bool:
         return False
     shell = get_ipython()
     return shell is not None and hasattr(shell, "kernel")
+
+def displayed(widget: Any) -> Any:
+    """Show `widget` in the cell's output now and return it. A cell shows only its last expression, and
+    none when the line ends with `;` (as the labs' lines do, so that the text and figure forms are not
+    echoed): a widget that is only returned would not show at all, or only the last of a cell's two."""
+    from IPython.display import display
+
+    display(widget)
+    return widget
+
 
 # Memory per card in GiB as the datasheets give it (A100 40/80 GB, H100 SXM 80 GB, H200 141 GB, L40S 48 GB,
 # RTX 4090 24 GB); the allocator and the CUDA context take some of it, which the 10 % line stands for.
@@ -88,7 +98,7 @@ class MemoryCalculator:
     """Sliders and presets over `memory_figure`; `controls` by name, `breakdown` the last estimate, `error`
     the last refusal (a tp that does not divide the heads, ...), `widget` to display."""
 
-    def __init__(self, model: str = "llama2-7b", card: str = "H100 80GB") -> None:
+    def __init__(self, model: str = "llama2-7b", card: str = "H100 80GB", **options: Any) -> None:
         import ipywidgets as w
 
         from labkit.models import PRESETS
@@ -113,6 +123,12 @@ class MemoryCalculator:
             "pp": w.SelectionSlider(options=sizes[:6], value=1, description="pp"),
             "checkpointing": w.Checkbox(value=False, description="activation checkpointing"),
         }
+        unknown = sorted(set(options) - set(self.controls))
+        if unknown:
+            raise ValueError(f"memory_calculator(..., {unknown[0]}=...): not a control; the controls are "
+                             f"{', '.join(self.controls)}")
+        for name, value in options.items():  # the notebook's arguments are where the sliders start
+            self.controls[name].value = value
         self.breakdown: MemoryBreakdown | None = None
         self.error = ""
         for c in self.controls.values():
@@ -156,12 +172,13 @@ class MemoryCalculator:
 
 
 def memory_calculator(model: str = "llama2-7b", card: str = "H100 80GB", widgets: bool | None = None, **options):
-    """The calculator in JupyterLab; under papermill or in a terminal the static figure of `model` on `card`
-    with `options` (dp, tp, pp, zero_stage, precision, micro_batch, seq_len, checkpointing, micro_batches)."""
+    """The calculator in JupyterLab, its controls starting at `options`; under papermill or in a terminal the
+    static figure of `model` on `card` with `options` (dp, tp, pp, zero_stage, precision, micro_batch, seq_len,
+    checkpointing, micro_batches)."""
     from labkit.models import PRESETS
 
     if widgets_can_render() if widgets is None else widgets:
-        return MemoryCalculator(model, card).widget
+        return displayed(MemoryCalculator(model, card, **options).widget)
     return memory_figure(PRESETS[model], CARDS[card], **options)
 
 
@@ -208,4 +225,5 @@ def pipeline_explorer(p: int = 4, m: int = 8, schedule: str = "1f1b", v: int = 2
     for c in controls.values():
         c.observe(draw, names="value")
     draw()
-    return w.VBox([w.HBox(list(controls.values())[:2]), w.HBox(list(controls.values())[2:]), message, out])
+    return displayed(w.VBox([w.HBox(list(controls.values())[:2]), w.HBox(list(controls.values())[2:]), message,
+                             out]))

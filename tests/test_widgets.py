@@ -48,3 +48,15 @@ def test_without_widgets_it_is_the_static_figure():
     assert isinstance(fig, plt.Figure)
     plt.close(fig)
     assert memory_calculator(widgets=True).__class__.__name__ == "HBox"
+
+
+def test_the_calculator_starts_where_the_notebook_asks():
+    calc = MemoryCalculator("llama2-7b", "H100 80GB", dp=8, zero_stage=1, micro_batch=1, seq_len=4096)
+    assert (calc.controls["zero_stage"].value, calc.controls["seq_len"].value) == (1, 4096)
+    from labkit.memory import estimate
+    from labkit.models import PRESETS
+
+    want = estimate(model=PRESETS["llama2-7b"], dp=8, zero_stage=1, micro_batch=1, seq_len=4096)
+    assert calc.breakdown.peak == want.peak
+    with pytest.raises(ValueError, match="not a control; the controls are model"):
+        MemoryCalculator("llama2-7b", "H100 80GB", zero=1)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
-from labkit.widgets import widgets_can_render
+from labkit.widgets import displayed, widgets_can_render
 
 __all__ = ["mock_exam", "run_terminal", "show", "text_form"]
 
@@ -73,14 +73,14 @@ def _score_lines(scores: dict[str, tuple[int, int]]) -> str:
 
 
 def show(topic: str | None = None, seed: int = 0, n: int | None = None, widgets: bool | None = None):
-    """The bank's questions (of one topic) as a quiz: widgets in JupyterLab, else the text form (printed).
-    Returns the widget, or the text."""
+    """The bank's questions (of one topic) as a quiz: widgets in JupyterLab (displayed), else the text form
+    (printed). Returns the widget, or the text."""
     questions = bank(topic, seed)[:n]
     if not (widgets_can_render() if widgets is None else widgets):
         text = text_form(questions)
         print(text)
         return text
-    return _quiz_widget(questions)
+    return displayed(_quiz_widget(questions))
 
 
 def mock_exam(n: int = 20, seed: int = 0, minutes: float = 30.0, widgets: bool | None = None):
@@ -90,7 +90,7 @@ def mock_exam(n: int = 20, seed: int = 0, minutes: float = 30.0, widgets: bool |
         text = f"Mock exam: {n} questions, {minutes:g} minutes, topics: {', '.join(TOPICS)}\n\n" + text_form(questions)
         print(text)
         return text
-    return _quiz_widget(questions, minutes=minutes)
+    return displayed(_quiz_widget(questions, minutes=minutes))
 
 
 def _quiz_widget(questions: list[Question], minutes: float | None = None):
