@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import papermill
 import pytest
 
@@ -25,6 +26,7 @@ SMALL = {
     "03_unoverlapped_comms": {"cluster": "cpu"},
     "04_imbalanced_pipeline": {"cluster": "cpu", "steps": 2},
     "05_unprofiled_run": {"cluster": "cpu", "steps": 2},
+    "06_capstone": {"cluster": "cpu"},
 }
 
 
@@ -75,11 +77,18 @@ def _check_records(name: str, rec: dict) -> None:
         assert rec["diagnosed"] == rec["planted"]
         assert {r["planted"]: r["diagnosed"] for r in rec["gallery"]} == {
             k: k for k in ("straggler", "data_loading", "small_collectives", "sync_collective")}
+    elif name == "06_capstone":  # seed 0: the batch does not fit, gradients all-reduced one by one, a slow tokenizer
+        assert rec["emulated"] is True and rec["unit"] == "ms" and rec["seed"] == 0 and rec["oom_at_start"]
+        assert rec["found"] == ["data_loading", "oom_batch", "per_tensor_allreduce"]
+        assert all(r["found"] and r["fixed"] for r in rec["rows"]) and len(rec["rows"]) == 3
+        assert rec["after"] < rec["before"] and rec["after"] <= 1.2 * rec["limit"]
+        assert rec["peak_mib"]["fixed"] <= rec["peak_mib"]["memory"]
 
 
 # Labs whose notebook checks a wall-clock ratio: on a shared 2-core runner one noisy run can
 # miss its margin, so these get one more run before the test fails.
-TIMED = {"00_cluster_tour", "01_parallelism_choice", "03_unoverlapped_comms", "04_imbalanced_pipeline", "05_unprofiled_run"}
+TIMED = {"00_cluster_tour", "01_parallelism_choice", "03_unoverlapped_comms", "04_imbalanced_pipeline", "05_unprofiled_run",
+         "06_capstone"}
 
 
 @pytest.mark.parametrize("nb", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
@@ -101,10 +110,26 @@ def test_solution_notebook_runs_and_records(nb: Path, tmp_path: Path):
             print(f"{nb.stem}: attempt {attempt} failed, running once more: {str(err)[:300]}")
 
 
+def _code_cells(path: Path) -> list[str]:
+    return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+
 @pytest.mark.parametrize("nb", LABS, ids=[p.stem for p in LABS])
-def test_lab_notebook_runs_until_its_first_exercise(nb: Path, tmp_path: Path):
-    ok, message = run_until_stub(nb, parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), timeout=300,
-                                 output_path=tmp_path / nb.name, cwd=tmp_path)
+def test_lab_notebook_runs_until_its_first_exercise(nb: Path):
+    """Up to its first stub a lab is its solution's code, cell for cell: the solution's papermill run above
+    runs exactly those cells, so the lab runs until its first exercise. (No solution-only cell may come before
+    it: the lab would lack what later cells use. Lab 00 is also run for real, below.)"""
+    lab = _code_cells(nb)
+    first_stub = next(i for i, src in enumerate(lab) if "raise NotImplementedError(" in src)
+    solution = _code_cells(ROOT / "solutions" / nb.name)
+    first_exercise = next(i for i, src in enumerate(solution) if "### BEGIN SOLUTION" in src)
+    assert lab[:first_stub] == solution[:first_exercise], f"{nb.stem}: before its first exercise, the lab's code " \
+        "differs from its solution's (a solution-only cell, or labs/ out of date: run labkit build)"
+
+
+def test_a_lab_stops_at_its_first_exercise_stub(tmp_path: Path):
+    ok, message = run_until_stub(ROOT / "labs" / "00_cluster_tour.ipynb", parameters=SMALL["00_cluster_tour"],
+                                 timeout=300, output_path=tmp_path / "00_cluster_tour.ipynb", cwd=tmp_path)
     assert ok, message
 
 

@@ -144,7 +144,8 @@ class _Job:
         if self.bottleneck == "sync_collective":
             with phase("logging"):
                 if self.fixed:  # a local metric, reduced asynchronously: nothing waits for it until the end
-                    stats = torch.stack([(logits.argmax(-1) == y).float().sum(), torch.tensor(float(y.numel()))])
+                    hits = (logits.argmax(-1) == y).float().sum()
+                    stats = torch.stack([hits, torch.tensor(float(y.numel()), device=hits.device)])
                     stats_work = dist.all_reduce(stats.to(dev), group=group, async_op=True)
                 else:  # every rank's logits gathered to score a global accuracy, synchronously
                     everyone = torch.empty((self.world * len(logits), *logits.shape[1:]), dtype=logits.dtype,
