@@ -67,8 +67,10 @@ def doctor(args: argparse.Namespace) -> int:
         print(real.describe())
     else:
         print("GPUs      none found")
+    # two ranks, or one on a node with a single GPU (common: one H200) when its GPU is asked for
+    ranks = 1 if args.cluster == "gpu" and real.gpu_count == 1 else 2
     try:
-        cluster = Cluster.resolve(args.cluster, 2)
+        cluster = Cluster.resolve(args.cluster, ranks)
     except ValueError as exc:  # e.g. --cluster gpu on a machine without one: a verdict, not a traceback
         print(f"cluster   {exc}")
         print(f"verdict: NOT READY - no cluster of kind {args.cluster!r} here; see the line above.")
@@ -76,14 +78,16 @@ def doctor(args: argparse.Namespace) -> int:
     print(cluster.describe())
     t0 = time.perf_counter()
     try:
-        result = launch(_smoke, 2, world_size=2, cluster=cluster, timeout_s=60)
+        result = launch(_smoke, ranks, world_size=ranks, cluster=cluster, timeout_s=60)
     except Exception as exc:  # report, do not crash: the verdict is the point
-        print(f"smoke test: 2-rank all_reduce FAILED: {exc}")
-        print("verdict: NOT READY - the 2-rank all-reduce failed; see the error above.")
+        print(f"smoke test: {ranks}-rank all_reduce FAILED: {exc}")
+        print(f"verdict: NOT READY - the {ranks}-rank all-reduce failed; see the error above.")
         return EXIT_FAILED
     seconds = time.perf_counter() - t0
-    ok = result == [3.0, 3.0]
-    print(f"smoke test: 2-rank all_reduce -> {result} in {seconds:.1f} s ({'ok' if ok else 'WRONG, expected [3.0, 3.0]'})")
+    want = [ranks * (ranks + 1) / 2] * ranks
+    ok = result == want
+    verdict = "ok" if ok else f"WRONG, expected {want}"
+    print(f"smoke test: {ranks}-rank all_reduce -> {result} in {seconds:.1f} s ({verdict})")
     if not ok:
         print("verdict: NOT READY - the all-reduce returned a wrong sum.")
         return EXIT_FAILED
@@ -91,7 +95,9 @@ def doctor(args: argparse.Namespace) -> int:
         print("verdict: READY (emulated) - no usable GPUs, so labs run on CPU processes with modelled links; "
               "every number they print is labelled emulated.")
     else:
-        print(f"verdict: READY (GPU) - {cluster.gpu_count} GPUs on NCCL.")
+        one = (" Labs that need several ranks run them on the emulated cluster (cluster='auto' picks it), single-GPU "
+               "parts (memory, profiling, one-rank runs) use this GPU.") if cluster.gpu_count == 1 else ""
+        print(f"verdict: READY (GPU) - {cluster.gpu_count} GPU(s) on NCCL.{one}")
     return 0
 
 

@@ -139,8 +139,9 @@ class Cluster:
     def resolve(cls, spec: "Cluster | str", world_size: int) -> "Cluster":
         """Turn `"auto" | "cpu" | "gpu" | Cluster` into a cluster able to hold `world_size` ranks.
 
-        "auto" takes NCCL with one process per GPU when this machine has at least two GPUs
-        and enough of them, else the emulated cluster; `reason` says which and why.
+        "auto" takes NCCL with one process per GPU when this machine has a GPU for every rank (one
+        GPU is enough for one rank: memory, profiling and one-rank runs use it), else the emulated
+        cluster; `reason` says which and why.
         """
         validate.positive_int("world_size", world_size, "launch(fn, world_size=2), or labkit run -p world_size 2")
         if isinstance(spec, Cluster):
@@ -157,10 +158,11 @@ class Cluster:
         elif spec in ("gpu", "auto"):
             real = cls.detect()
             n = real.gpu_count
-            if spec == "gpu" or (n >= 2 and n >= world_size):
-                cluster = replace(real, reason=f"{n} GPUs found: NCCL, one process per GPU")
+            if spec == "gpu" or (n >= 1 and n >= world_size):
+                cluster = replace(real, reason=f"{n} GPU(s) found: NCCL, one process per GPU")
             else:
-                why = "no GPU found" if n == 0 else f"{n} GPU(s) found, {world_size} ranks asked"
+                why = ("no GPU found" if n == 0 else
+                       f"{n} GPU(s) found, {world_size} ranks asked (a lab needing {world_size} ranks runs them here)")
                 cluster = replace(cls.emulated(gpus_per_node=world_size), reason=f"{why}: emulated cluster")
         else:
             raise ValueError(

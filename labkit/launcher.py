@@ -20,13 +20,15 @@ How the failure cases are handled:
 * A rank that dies (exit code, signal) is named with its code or signal.
 * A collective that never completes (one rank skipped it, or the shapes differ) ends in
   gloo's timeout; each emulated rank leaves a record of its collectives (`labkit.emulate.record`),
-  and the error names the operation and the rank that is missing or mismatched. If the other
+  on NCCL the flight recorder's dump (`labkit.flight_recorder`), and the error names the operation
+  and the rank that is missing or mismatched. If the other
   ranks have already ended, the stragglers get `timeout_s` plus a few seconds, then are stopped.
 * Ctrl-C / a kernel interrupt kills every rank before the exception propagates. Workers
   also die with the parent, even on SIGKILL: PR_SET_PDEATHSIG plus a watchdog thread.
 
 Under `torchrun` (RANK, WORLD_SIZE and the rendezvous variables are set), `launch` runs `fn` in
-the current process instead, so the same experiment scales to several nodes with torchrun's rendezvous.
+the current process instead (`labkit.torchrun`), so the same experiment scales to several nodes with
+torchrun's rendezvous.
 
 What each rank runs, from start to exit, is `labkit.worker`; inside a rank, `labkit.runtime`.
 """
@@ -52,7 +54,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit import emulate, runtime, validate, worker
+from labkit import emulate, flight_recorder, torchrun, validate, worker
 from labkit.cluster import Cluster
 from labkit.emulate import diagnose_hang
 
@@ -95,28 +97,6 @@ def _mp_context() -> mp.context.BaseContext:
         ctx.set_forkserver_preload(_PRELOAD)
         return ctx
     return mp.get_context("spawn")
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _run_under_torchrun(fn: Callable, args: tuple, kwargs: dict, world_size: int, timeout_s: float) -> list:
-    """torchrun started this process as one rank: run here, gather every rank's result."""
-    if world_size != int(os.environ["WORLD_SIZE"]):
-        raise ValueError(
-            f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
-            "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node)."
-        )
-    created = runtime.init_torchrun_group(timedelta(seconds=timeout_s))
-    try:
-        value = worker.to_cpu(fn(*args, **kwargs))
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, value)
-        return gathered
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
@@ -276,8 +256,13 @@ def launch(
         validate.positive_number("deadline_s", deadline_s, "launch(fn, deadline_s=60), in seconds, or None")
     if isinstance(cluster, Cluster) and cluster.kind == "described":  # planning only: resolve says so
         Cluster.resolve(cluster, world_size)
-    if _under_torchrun():
-        return _run_under_torchrun(fn, args, kwargs, world_size, float(timeout_s))
+    if torchrun.under_torchrun():
+        return torchrun.run(fn, args, kwargs, world_size, float(timeout_s), cluster)
+    if (other := torchrun.external_ranks()) is not None:
+        launcher, task, tasks = other
+        raise ValueError(f"this process is task {task} of {tasks} that {launcher} started, not under torchrun: "
+                         f"launch would start {world_size} more ranks here, on this node alone. Start the tasks with "
+                         "torchrun (inside srun: one torchrun per node, see the SLURM example in the README).")
     resolved = Cluster.resolve(cluster, world_size)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
@@ -293,6 +278,8 @@ def launch(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=float(timeout_s))
     )
     env = dict(os.environ)
+    if not resolved.is_emulated:  # NCCL's flight recorder: what a hang or a skipped collective leaves to read
+        env.update(flight_recorder.env_for(run_dir))
     procs = [
         ctx.Process(
             target=worker.main,
@@ -316,7 +303,7 @@ def launch(
         for p in procs:
             p.start()
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
-        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s), deadline)
+        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s), deadline, nccl=not resolved.is_emulated)
     except BaseException:
         _stop(procs, grace_s=0.5)
         raise
@@ -331,8 +318,16 @@ def launch(
     return outcomes
 
 
+def _records(run_dir: Path, world_size: int, nccl: bool) -> dict[int, dict]:
+    """Each rank's collective record: the emulated group's files, or NCCL's flight-recorder dumps."""
+    if not nccl:
+        return emulate.read_records(run_dir, world_size)
+    flight_recorder.wait_for_dumps(run_dir, list(range(world_size)))  # the watchdogs dump at about the same time
+    return flight_recorder.read_records(run_dir, world_size)
+
+
 def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float,
-               deadline: float | None = None) -> list[Any]:
+               deadline: float | None = None, nccl: bool = False) -> list[Any]:
     outcomes: dict[int, _Outcome] = {}
     started = time.monotonic()
     first_end: float | None = None
@@ -351,7 +346,7 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float,
         if failed:
             first = failed[0]
             _stop([p for r, p in enumerate(procs) if r not in outcomes], grace_s=0.2)
-            records = emulate.read_records(run_dir, world_size)
+            records = _records(run_dir, world_size, nccl)
             others = [
                 f"rank {o.rank} "
                 + (
@@ -377,7 +372,7 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float,
             alive = [r for r in range(world_size) if r not in outcomes]
             running = [r for r in alive if not (run_dir / f"rank{r}.result").exists()] or alive
             _stop([procs[r] for r in alive], grace_s=0.2)
-            diag = diagnose_hang(emulate.read_records(run_dir, world_size), world_size)
+            diag = diagnose_hang(_records(run_dir, world_size, nccl), world_size)
             raise RankError(
                 f"the run did not finish within its deadline of {deadline - started:.0f} s (deadline_s): rank(s) "
                 f"{running} were still running and were stopped"
@@ -388,7 +383,7 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float,
             alive = [r for r in range(world_size) if r not in outcomes]
             waiting = [r for r in alive if not (run_dir / f"rank{r}.result").exists()] or alive
             _stop([procs[r] for r in alive], grace_s=0.2)
-            records = emulate.read_records(run_dir, world_size)
+            records = _records(run_dir, world_size, nccl)
             diag = diagnose_hang(records, world_size)
             text = diag[0] if diag else "no collective record was left"
             raise RankError(

@@ -183,17 +183,6 @@ def _keep_freed_memory() -> None:
         pass
 
 
-def init_torchrun_group(timeout: timedelta) -> bool:
-    """Initialise the default group of a torchrun-started rank if it has none; True if created."""
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timeout)
-    return True
-
-
 # ----------------------------------------------------------------- memory
 
 

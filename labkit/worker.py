@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import io
 import os
 import signal
@@ -58,8 +59,17 @@ def _watch_launcher(pid: int) -> None:
 
 
 def to_cpu(value: Any) -> Any:
-    """Detach tensors and move them to the CPU so the parent can unpickle without CUDA."""
-    return compat.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
+    """Detach tensors and move them to the CPU so the parent can unpickle without CUDA: in lists, tuples, dicts
+    (pytree's containers) and dataclasses (a result type such as `DPResult`), at any depth."""
+    def leaf(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.detach().cpu()
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):  # pytree does not walk these
+            return dataclasses.replace(v, **{f.name: to_cpu(getattr(v, f.name)) for f in dataclasses.fields(v)
+                                             if f.init})
+        return v
+
+    return compat.tree_map(leaf, value)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

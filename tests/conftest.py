@@ -11,6 +11,16 @@ import torch
 os.environ.setdefault("LABKIT_TEXT_ONLY", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA; without it they are skipped and the summary (-ra) says why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); tests/gpu_check.sh runs these on a GPU node")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the module: its models are tiny, and on a busy 2-core runner thread

@@ -124,3 +124,26 @@ def test_capture_drops_kineto_start_stop_lines(capfd):
         os.write(2, b"a real warning\n")
     err = capfd.readouterr().err
     assert "profiler_start" not in err and "a real warning" in err
+
+
+def test_a_step_s_cpu_time_leaves_out_the_device_synchronisation(monkeypatch):
+    # On a GPU runtime.clock() synchronizes, and cudaDeviceSynchronize spins the CPU: mocked here by a clock
+    # that burns 50 ms of CPU each time it is read. The step itself does (almost) nothing.
+    import time
+
+    import torch.distributed as dist
+
+    from labkit import runtime
+    from labkit.experiments import unoverlapped_comms
+
+    def spinning_clock() -> float:
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+        return time.perf_counter()
+
+    monkeypatch.setattr(runtime, "clock", spinning_clock)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    run = type("Run", (), {"group": None})()
+    ms, cpu_ms, _, waited = unoverlapped_comms._timed(run, lambda r, x, y: None, None, None)
+    assert cpu_ms < 20 <= ms and waited is None

@@ -255,14 +255,28 @@ def test_shape_mismatch_names_both_shapes():
 def test_interrupt_stops_every_rank_and_next_launch_works(tmp_path):
     base = str(tmp_path / "pid")
     main = threading.main_thread().ident
+    # Ctrl-C as Python delivers it: an earlier test's event loop may have left its own SIGINT handler behind
+    # (asyncio.Runner's cancels a task instead of raising); this test is about launch, so it sets the default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sent: list[str] = []
 
     def interrupt_later():
-        _read_pids(base, 2)
+        try:
+            _read_pids(base, 2, seconds=60)
+        except AssertionError as exc:
+            sent.append(f"not sent: {exc}")
+            return
+        sent.append("sent")
         signal.pthread_kill(main, signal.SIGINT)
 
     threading.Thread(target=interrupt_later, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        launch(_sleep_and_report_pid, base, world_size=2, cluster=CPU)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_sleep_and_report_pid, base, world_size=2, cluster=CPU)
+    except pytest.fail.Exception as exc:
+        raise AssertionError(f"no KeyboardInterrupt; the interrupt was {sent or ['never tried']}") from exc
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pids = _read_pids(base, 2)
     assert _wait_gone(pids, 5.0), "every rank is gone within 5 s of the interrupt"
     assert launch(_sum_ranks, 0, world_size=2, cluster=CPU) == [3.0, 3.0]
@@ -419,19 +433,67 @@ def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
                 dist.all_reduce(t)
                 return t.item()
 
+            def fails_on_rank_1():
+                if dist.get_rank() == 1:
+                    raise ValueError("boom on rank 1")
+                return 0
+
             if __name__ == "__main__":
+                rank = int(__import__("os").environ["RANK"])
                 results = labkit.launch(fn, 1, world_size=2)
-                if dist.is_initialized() is False and int(__import__("os").environ["RANK"]) == 0:
+                if dist.is_initialized() is False and rank == 0:
                     print("RESULTS", results)
+                try:  # every rank hears of it at once, not when a collective times out
+                    labkit.launch(fails_on_rank_1, world_size=2, timeout_s=60)
+                except labkit.RankError as err:
+                    print(f"RANKERROR on {rank}: rank {err.rank} {err.exc_type}", str(err).splitlines()[0])
+                try:
+                    labkit.launch(fn, 1, world_size=2, cluster="cpu")
+                except ValueError as err:
+                    print(f"REFUSED on {rank}:", str(err)[:60])
             """
         )
     )
+    t0 = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULTS [3.0, 3.0]" in proc.stdout
+    for rank in (0, 1):
+        assert f"RANKERROR on {rank}: rank 1 ValueError rank 1 raised ValueError: boom on rank 1" in proc.stdout
+        assert f"REFUSED on {rank}: launch(cluster='cpu') under torchrun: the emulated cluster" in proc.stdout
+    assert time.time() - t0 < 60  # not the 60 s collective timeout of the failing launch
+
+
+def test_torchrun_ranks_get_gloo_for_cpu_and_nccl_for_cuda_tensors(monkeypatch):
+    # Mocked CUDA: a node with one visible GPU. NCCL alone refuses CPU tensors (the old backend was
+    # "nccl" only); two processes on one GPU are refused with the fix.
+    from datetime import timedelta
+
+    from labkit import torchrun
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert torchrun.init_group(timedelta(seconds=5)) is True
+    assert calls["backend"] == "cpu:gloo,cuda:nccl" and calls["device_id"] == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="has 1 visible GPU.*--nproc-per-node 1"):
+        torchrun.init_group(timedelta(seconds=5))
+
+
+def test_a_task_of_srun_without_torchrun_is_told_how_to_start(monkeypatch):
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    with pytest.raises(ValueError, match="task 3 of 16 that srun started, not under torchrun"):
+        launch(_sum_ranks, 0, world_size=16, cluster=CPU)
 
 
 # ---------------------------------------------------------- leaving together
@@ -519,3 +581,37 @@ def test_a_rank_that_hangs_after_the_others_returned_is_named_in_bounded_time():
         launch(_rank1_sleeps, world_size=2, cluster=CPU, timeout_s=2)
     assert info.value.rank == 1 and "rank(s) [1] still running" in str(info.value)
     assert time.monotonic() - t0 < 2 + 15
+
+
+def test_results_come_back_detached_inside_dataclasses_too():
+    from dataclasses import dataclass
+
+    from labkit.worker import to_cpu
+
+    @dataclass(frozen=True)
+    class Result:
+        grads: torch.Tensor
+        rows: list
+        name: str = "r"
+
+    w = torch.ones(3, requires_grad=True)
+    out = to_cpu({"r": Result(grads=w * 2, rows=[(w * 3, 1)])})
+    # pytree walks dicts, lists and tuples but not dataclasses: a CUDA tensor there came back on the GPU
+    assert not out["r"].grads.requires_grad and not out["r"].rows[0][0].requires_grad
+    assert out["r"].rows[0][1] == 1 and out["r"].name == "r" and out["r"].grads.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_node_with_one_gpu_uses_it_for_one_rank_and_emulates_more(monkeypatch):
+    # Common: one H200. "auto" used to need two GPUs, so even world_size=1 ran on the CPU.
+    from labkit.cluster import GPU
+    from labkit.links import Link
+
+    one = Cluster(kind="gpu", nodes=1, gpus_per_node=1, intra_node=Link(1.0, 0.0, "none"),
+                  inter_node=Link(50.0, 5.0, "InfiniBand (assumed)"), gpus=(GPU(0, "NVIDIA H200", 139.8),))
+    monkeypatch.setattr(Cluster, "detect", classmethod(lambda cls: one))
+    alone = Cluster.resolve("auto", 1)
+    assert alone.kind == "gpu" and alone.gpu_count == 1 and "1 GPU(s) found" in alone.reason
+    two = Cluster.resolve("auto", 2)
+    assert two.is_emulated and "1 GPU(s) found, 2 ranks asked" in two.reason
+    with pytest.raises(ValueError):
+        Cluster.resolve("gpu", 2)  # asked for two GPUs explicitly: refused, with the count

@@ -159,3 +159,29 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         assert "no_such_name" in str(error)
     else:
         raise AssertionError("labkit.no_such_name did not raise")
+
+
+def _workflow(name: str) -> dict:
+    wf = yaml.safe_load((REPO / ".github" / "workflows" / name).read_text(encoding="utf-8"))
+    wf["on"] = wf.pop(True, wf.get("on"))  # YAML 1.1 reads the key `on` as True
+    return wf
+
+
+def test_the_cpu_workflow_runs_the_readme_test_command_on_every_pull_request() -> None:
+    wf = _workflow("cpu.yml")
+    assert "pull_request" in wf["on"] and "push" in wf["on"]
+    runs = " ".join(step.get("run", "") for step in wf["jobs"]["tests"]["steps"])
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    command = next(line for line in readme.splitlines() if line.endswith(_ci_test_command()) and "pip" in line)
+    assert command in runs, f"cpu.yml must run the README's test command: {command!r}"
+
+
+def test_the_gpu_workflow_is_nightly_label_gated_and_never_runs_untrusted_code() -> None:
+    wf = _workflow("gpu.yml")
+    assert set(wf["on"]) == {"schedule", "workflow_dispatch", "pull_request"} and "pull_request_target" not in wf["on"]
+    job = wf["jobs"]["labs"]
+    assert {"self-hosted", "gpu"} <= set(job["runs-on"])
+    assert "run-gpu" in job["if"] and "github.event_name != 'pull_request'" in job["if"]
+    runs = " ".join(step.get("run", "") for step in job["steps"])
+    assert "nvidia-smi" in runs and "labkit doctor" in runs and "labkit run --cluster gpu" in runs
+    assert "tests/gpu_check.sh" in runs and any("upload-artifact" in s.get("uses", "") for s in job["steps"])

@@ -249,3 +249,40 @@ def test_device_timeline_reads_like_a_trace(tmp_path):
     assert stats["compute_ms"] == pytest.approx(90)  # 110 ms minus the 20 ms wait
     assert stats["comm_ms"] == pytest.approx(45)
     assert stats["overlapped_ms"] == pytest.approx(25)  # 40-60 fully, 75-80 of the second
+
+
+def _gpu_step_trace(tmp_path, nccl_start_ms: float) -> Path:
+    """One 10 ms step of a GPU trace: the host enqueues backward (0.5-9 ms) and the optimizer; on the device a
+    compute kernel runs 1-6 ms and an NCCL all-reduce kernel 3 ms from `nccl_start_ms`."""
+    def x(name, cat, a, d, tid=1):
+        return {"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": tid, "ts": a * 1e3, "dur": d * 1e3}
+
+    events = [x("ProfilerStep#1", "user_annotation", 0, 10), x("backward", "user_annotation", 0.5, 8.5),
+              x("Optimizer.step#AdamW.step", "user_annotation", 9, 1), x("sm90_xmma_gemm_f32", "kernel", 1, 5, 7),
+              x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", nccl_start_ms, 3, 20)]
+    path = tmp_path / f"gpu_{nccl_start_ms}.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_overlap_on_a_gpu_trace_is_read_from_the_kernels(tmp_path):
+    # The all-reduce runs after the compute kernel: 0 % overlap on the device, although the host's
+    # `backward` span (which only enqueues) covers it. Host spans made such a step look 100 % overlapped.
+    naive = overlap(read_trace(_gpu_step_trace(tmp_path, 6.0)))
+    assert naive["overlap_pct"] == 0 and naive["comm_ms"] == 3 and naive["compute_ms"] == 5
+    lanes = step_lanes(read_trace(_gpu_step_trace(tmp_path, 6.0)))
+    assert lanes["compute"] == [(1.0, 6.0)] and lanes["comm"] == [(6.0, 9.0)]
+    # started at 4 ms, 2 of its 3 ms run beside the compute kernel on another stream
+    assert overlap(read_trace(_gpu_step_trace(tmp_path, 4.0)))["overlap_pct"] == pytest.approx(200 / 3)
+
+
+def test_a_multi_node_job_must_name_a_shared_trace_folder(monkeypatch, tmp_path):
+    from labkit.trace.capture import _trace_path
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="a file system every node shares"):
+        _trace_path(None, 3)
+    assert _trace_path(tmp_path / "trace_rank{rank}.json", 3) == tmp_path / "trace_rank3.json"
+    monkeypatch.setenv("WORLD_SIZE", "8")  # one node: its /tmp is fine
+    assert _trace_path(None, 3).name == "trace_rank3.json"

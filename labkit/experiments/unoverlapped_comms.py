@@ -169,11 +169,15 @@ def _waited_s() -> float | None:
 
 def _timed(run: _Run, step_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float | None]:
     """(ms, process CPU ms, start, ms waiting for collectives or None) of one step on
-    `labkit.runtime.clock`, after a barrier."""
+    `labkit.runtime.clock`, after a barrier. The CPU time is the host's work on the step only: on a GPU
+    `runtime.clock` synchronizes the device, and that wait spins the CPU (CUDA's default), so it is read
+    after the first reading of the clock and before the second."""
     dist.barrier(group=run.group)
-    w0, t0, cpu0 = _waited_s(), runtime.clock(), time.process_time()
+    w0, t0 = _waited_s(), runtime.clock()
+    cpu0 = time.process_time()
     step_fn(run, x, y)
-    ms, cpu_ms = (runtime.clock() - t0) * 1e3, (time.process_time() - cpu0) * 1e3
+    cpu_ms = (time.process_time() - cpu0) * 1e3
+    ms = (runtime.clock() - t0) * 1e3
     return ms, cpu_ms, t0, (_waited_s() - w0) * 1e3 if w0 is not None else None
 
 

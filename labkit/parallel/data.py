@@ -70,7 +70,8 @@ def allreduce_gradients_naive(
             p.grad = torch.zeros_like(p)
         t0 = time.perf_counter_ns()
         with record_function("comm:all_reduce"):
-            dist.all_reduce(p.grad, group=process_group)  # blocks until this one is done
+            # synchronous: gloo returns when it is done; NCCL when it is enqueued, the stream orders the rest
+            dist.all_reduce(p.grad, group=process_group)
         if comm_log is not None and not runtime.on_gpu():  # on GPUs the trace's NCCL kernels tell
             nbytes = p.grad.numel() * p.grad.element_size()
             comm_log.add(f"all_reduce param{count}", t0, time.perf_counter_ns(), nbytes)

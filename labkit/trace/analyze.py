@@ -187,15 +187,12 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
     rows = []
     for s in host.steps:
         lo, hi = s.start_us, s.end_us
+        lanes = step_lanes(host, s.number)  # the device's lanes when there are kernels
+        compute = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["compute"]]
+        comm = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["comm"]]
         if kernels:
-            nccl = [e for e in kernels if "nccl" in e.name.lower()]
-            comm = union(_clip(nccl, lo, hi))
-            compute = union(_clip([e for e in kernels if "nccl" not in e.name.lower()], lo, hi))
-            ncoll = len([e for e in nccl if lo <= e.start_us < hi])
+            ncoll = len([e for e in kernels if e.lane == "comm" and lo <= e.start_us < hi])
         else:
-            lanes = step_lanes(host, s.number)
-            compute = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["compute"]]
-            comm = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["comm"]]
             comm_events = [e for e in host.lane("comm") if lo <= e.start_us < hi and e.category == COMM_CATEGORY]
             ncoll = len(comm_events) or len([e for e in host.lane("comm") if lo <= e.start_us < hi
                                                   and e.name.startswith("c10d::")])

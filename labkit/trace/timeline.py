@@ -7,7 +7,8 @@ Every event lands in one lane:
 * **compute**: `cpu_op` and `user_annotation` events (aten ops, autograd nodes, your own
   `record_function` regions) and GPU kernels, minus the time a thread spends inside a
   communication event (a `comm:wait` region nested in a `backward` region is waiting,
-  not computing);
+  not computing). A trace with GPU kernels is read on the device: `step_lanes` then takes
+  only kernels (NCCL's are comm), since host spans only measure enqueueing;
 * **comm**: `c10d::*`, `gloo:*`, `nccl:*`, `record_param_comms`, `ncclKernel*` /
   `ncclDevKernel*` GPU kernels, `comm:*` regions, anything on a gloo or NCCL thread, and
   the issue-to-completion spans of a `CommLog` (`commlog.py`);
@@ -232,25 +233,38 @@ def _clip(events: Iterable[TraceEvent], lo: float, hi: float) -> list[Interval]:
 # ------------------------------------------------------------------------ analysis
 
 
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def step_lanes(trace: Trace, step: int | None = None) -> dict[str, list[Interval]]:
     """Compute, comm and idle intervals of one step (default: the last), in ms from its start.
 
-    compute is, thread by thread, the compute events minus the comm events of that same
-    thread (a thread blocked in a wait is not computing), then united across threads.
+    With GPU kernels in the trace, the lanes are the device's: compute = the kernels, copies and memsets that
+    are not NCCL's, comm = NCCL's kernels (and `CommLog` spans, which the emulated device timeline has). Host spans (`backward`, `optimizer.step`) only measure the time to
+    enqueue work, so an NCCL kernel running while the host enqueues is not overlapped with anything (a naive
+    step with no overlap on the device would show most of its communication as overlapped). Without kernels
+    (CPU traces) compute is, thread by thread, the compute events minus the comm events of that same thread
+    (a thread blocked in a wait is not computing), then united across threads.
     """
     s = trace.step(step)
     lo, hi = s.start_us, s.end_us
-    comm = union(_clip(trace.lane("comm"), lo, hi))
-    by_thread: dict[tuple[Any, Any], list[TraceEvent]] = collections.defaultdict(list)
-    for ev in trace.events:
-        if ev.lane is not None:
-            by_thread[(ev.pid, ev.tid)].append(ev)
-    compute: list[Interval] = []
-    for evs in by_thread.values():
-        busy = union(_clip([e for e in evs if e.lane == "compute"], lo, hi))
-        blocked = union(_clip([e for e in evs if e.lane == "comm"], lo, hi))
-        compute.extend(subtract(busy, blocked))
-    compute = union(compute)
+    device = [e for e in trace.events if e.category in _DEVICE_CATEGORIES and e.lane is not None]
+    if device:  # (the emulated device timeline is written the same way: "kernel" compute, CommLog spans)
+        comm = union(_clip([e for e in trace.events if e.lane == "comm" and
+                            (e.category in _DEVICE_CATEGORIES or e.category == COMM_CATEGORY)], lo, hi))
+        compute = union(_clip([e for e in device if e.lane == "compute"], lo, hi))
+    else:
+        comm = union(_clip(trace.lane("comm"), lo, hi))
+        by_thread: dict[tuple[Any, Any], list[TraceEvent]] = collections.defaultdict(list)
+        for ev in trace.events:
+            if ev.lane is not None:
+                by_thread[(ev.pid, ev.tid)].append(ev)
+        compute = []
+        for evs in by_thread.values():
+            busy = union(_clip([e for e in evs if e.lane == "compute"], lo, hi))
+            blocked = union(_clip([e for e in evs if e.lane == "comm"], lo, hi))
+            compute.extend(subtract(busy, blocked))
+        compute = union(compute)
     idle = subtract([(lo, hi)], union(compute + comm))
 
     def ms(intervals: list[Interval]) -> list[Interval]:

@@ -1,0 +1,109 @@
+"""`launch` inside a process that torchrun started: this process is one rank; run here, gather every result.
+
+torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, the rendezvous
+(MASTER_ADDR / MASTER_PORT) and TORCHELASTIC_RUN_ID. `launch` then calls `run` instead of starting ranks:
+
+* the default group is "cpu:gloo,cuda:nccl" on a CUDA machine (NCCL for CUDA tensors, gloo for the CPU
+  tensors a lab also reduces: NCCL alone refuses them), bound to this rank's GPU (`device_id`), after
+  checking that the node has a GPU for every local rank;
+* a `cluster=` it cannot honour is refused: the emulated cluster (links, virtual clock, memory budget)
+  exists only for ranks that `launch` starts itself; a GPU cluster's `memory_gib` is applied as a memory
+  fraction, as `launch` does;
+* a rank that raises still joins the gather, so every rank raises one `RankError` naming it at once, instead
+  of the others waiting for a collective until the NCCL watchdog ends them;
+* a process that another launcher started as one of several ranks (srun, mpirun) without torchrun is refused
+  with the fix (`external_ranks`): launching here would start a whole job on this node alone.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["check_cluster", "external_ranks", "init_group", "run", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun started (its rendezvous variables are set)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def external_ranks() -> tuple[str, int, int] | None:
+    """(launcher, this task, tasks) when srun or mpirun started this process as one of several, else None."""
+    for launcher, rank_var, size_var in (("srun", "SLURM_PROCID", "SLURM_NTASKS"),
+                                         ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                                         ("mpirun", "PMI_RANK", "PMI_SIZE")):
+        size = os.environ.get(size_var, "")
+        if size.isdigit() and int(size) > 1 and rank_var in os.environ:
+            return launcher, int(os.environ[rank_var]), int(size)
+    return None
+
+
+def check_cluster(cluster: Any) -> None:
+    """Raise ValueError for a `cluster=` that ranks torchrun started cannot be: an emulated one."""
+    kind = getattr(cluster, "kind", cluster)
+    if kind in ("cpu", "emulated"):
+        raise ValueError(
+            f"launch(cluster={cluster if isinstance(cluster, str) else 'Cluster.emulated(...)'!r}) under torchrun: "
+            "the emulated cluster (modelled links, virtual clock, memory budget) needs the ranks labkit.launch starts "
+            "itself, and torchrun has started them. Run the script without torchrun for the emulated cluster, or "
+            "pass cluster='auto' (NCCL on GPUs, plain gloo on CPUs) under torchrun.")
+
+
+def init_group(timeout: timedelta, memory_gib: float | None = None) -> bool:
+    """Initialise the default group of a torchrun-started rank if it has none; True if created here."""
+    if dist.is_initialized():
+        return False
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo", timeout=timeout)
+        return True
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    gpus = torch.cuda.device_count()
+    if local_world > gpus:
+        raise ValueError(f"torchrun started {local_world} processes on this node, which has {gpus} visible GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one process per "
+                         f"GPU, so --nproc-per-node {gpus}")
+    torch.cuda.set_device(local_rank)
+    if memory_gib:
+        total = torch.cuda.get_device_properties(local_rank).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib * 2**30 / total), local_rank)
+    # CPU tensors go over gloo, CUDA tensors over NCCL (torch.distributed's per-device backends)
+    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
+    return True
+
+
+def run(fn: Callable[..., Any], args: tuple, kwargs: dict, world_size: int, timeout_s: float,
+        cluster: Any = "auto") -> list[Any]:
+    """Run `fn` on this torchrun rank and return every rank's result, in rank order (see the module docstring)."""
+    from labkit.launcher import RankError  # the launcher imports this module
+    from labkit.worker import to_cpu
+
+    if world_size != int(os.environ["WORLD_SIZE"]):
+        raise ValueError(
+            f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node).")
+    check_cluster(cluster)
+    created = init_group(timedelta(seconds=timeout_s), getattr(cluster, "memory_gib", None))
+    try:
+        try:
+            outcome: tuple[bool, Any] = (True, to_cpu(fn(*args, **kwargs)))
+            error = None
+        except Exception as exc:  # join the gather anyway: the other ranks learn of it now, not at a timeout
+            outcome, error = (False, (type(exc).__name__, str(exc), traceback.format_exc())), exc
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, outcome)
+        failed = [(rank, info) for rank, (ok, info) in enumerate(gathered) if not ok]
+        if failed:
+            rank, (name, message, remote) = failed[0]
+            raise RankError(f"rank {rank} raised {name}: {message}\n\n{remote}", rank=rank, kind="raised",
+                            exc_type=name, remote_traceback=remote) from error
+        return [value for _, value in gathered]
+    finally:
+        if created:
+            dist.destroy_process_group()

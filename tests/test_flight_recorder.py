@@ -1,0 +1,46 @@
+"""NCCL's flight-recorder dumps read as collective records: the hang diagnosis names the op and the rank on GPUs
+too. The dumps here are written by hand in the documented shape (a pickled dict of `entries`)."""
+
+from __future__ import annotations
+
+import pickle
+
+from labkit import flight_recorder
+from labkit.emulate import diagnose_hang
+
+
+def _entry(seq: int, state: str, name: str = "nccl:all_reduce", size=(1024,)) -> dict:
+    return {"record_id": seq, "collective_seq_id": seq, "p2p_seq_id": 0, "profiling_name": name, "state": state,
+            "input_sizes": [list(size)], "output_sizes": [list(size)], "input_dtypes": ["Float"],
+            "process_group": ("0", "default_pg")}
+
+
+def _dump(tmp_path, rank: int, entries: list[dict]) -> None:
+    with open(tmp_path / f"{flight_recorder.DUMP_PREFIX}{rank}", "wb") as f:
+        pickle.dump({"version": "2.10", "pg_config": {}, "entries": entries}, f)
+
+
+def test_a_skipped_all_reduce_is_named_with_the_rank_that_skipped_it(tmp_path):
+    _dump(tmp_path, 0, [_entry(1, "completed"), _entry(2, "started")])  # rank 0 waits in all_reduce #2
+    _dump(tmp_path, 1, [_entry(1, "completed")])  # rank 1 never called it
+    records = flight_recorder.read_records(tmp_path, 3)  # rank 2 left no dump
+    assert set(records) == {0, 1} and records[0]["pending"][0]["op"] == "all_reduce"
+    text, culprit = diagnose_hang(records, 3)
+    assert "all_reduce #2 (float[1024]) on rank 0 never completed" in text
+    assert "rank 1 was running elsewhere after 1 collective(s)" in text and "rank 1 is missing" in text
+    assert culprit == 1 and "rank 2 left no record" in text
+
+
+def test_a_mismatched_shape_is_a_mismatch(tmp_path):
+    _dump(tmp_path, 0, [_entry(1, "started", size=(1024,))])
+    _dump(tmp_path, 1, [_entry(1, "started", size=(2048,))])
+    text, culprit = diagnose_hang(flight_recorder.read_records(tmp_path, 2), 2)
+    assert "mismatched collective" in text and culprit == 1
+
+
+def test_the_ranks_are_told_where_to_dump(tmp_path):
+    env = flight_recorder.env_for(tmp_path)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    (tmp_path / "nccl_trace_rank_0").write_bytes(b"torn")  # a dump cut short is skipped, not an error
+    assert flight_recorder.read_records(tmp_path, 1) == {}
