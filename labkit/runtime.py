@@ -26,9 +26,11 @@ from labkit.cluster import Cluster
 
 __all__ = [
     "CLUSTER_ENV",
+    "cap_above_baseline",
     "clock",
     "current_cluster",
     "device",
+    "gpu_baseline_bytes",
     "init_process_group",
     "max_memory_allocated",
     "memory_allocated",
@@ -107,7 +109,8 @@ def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist
 
     On the virtual clock each emulated GPU computes on one intra-op thread (its clock is that
     thread's CPU time); on the wall clock it gets its share of the cores, as each real GPU is
-    its own device. On a GPU with `cluster.memory_gib`, the CUDA allocator's cap is set.
+    its own device. On a GPU with `cluster.memory_gib`, the CUDA allocator's cap is set that much above
+    what the warm process holds (`cap_above_baseline`).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cluster.is_emulated:
@@ -120,11 +123,44 @@ def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist
     else:
         torch.cuda.set_device(local_rank)
         if cluster.memory_gib:
-            total = torch.cuda.get_device_properties(local_rank).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cluster.memory_gib * 2**30 / total))
+            cap_above_baseline(local_rank, cluster.memory_gib)
         backend, extra = "nccl", {"device_id": torch.device("cuda", local_rank)}
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
                             timeout=timeout, **extra)
+
+
+_BASELINE_ENV = "LABKIT_GPU_BASELINE_BYTES"  # this rank's allocated bytes once warm, read by the memory stats
+
+
+def _warm_up_cuda(dev: torch.device) -> None:
+    """One small matmul forward and backward: cuBLAS makes its handle and workspace for this thread and for
+    autograd's device thread, which runs the backward (32 MiB each on Hopper), from the caching allocator."""
+    a = torch.randn(64, 64, device=dev, requires_grad=True)
+    (a @ a).sum().backward()
+    torch.cuda.synchronize(dev)
+
+
+def cap_above_baseline(local_rank: int, memory_gib: float) -> int:
+    """Cap this rank's CUDA memory `memory_gib` above what the process holds once warm; return that baseline.
+
+    `set_per_process_memory_fraction` caps *reserved* memory, and the CUDA context's allocations and cuBLAS's
+    workspaces come from the same allocator, in blocks rounded to 2 or 20 MiB: a cap of 48 MiB from zero would
+    OOM on the workspaces, not on the activations. So: warm up, measure, cap above it; the memory stats below
+    report peaks net of the baseline's allocated bytes.
+    """
+    dev = torch.device("cuda", local_rank)
+    _warm_up_cuda(dev)
+    total = torch.cuda.get_device_properties(local_rank).total_memory
+    reserved = torch.cuda.memory_reserved(dev)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (reserved + memory_gib * 2**30) / total), dev)
+    baseline = torch.cuda.memory_allocated(dev)
+    os.environ[_BASELINE_ENV] = str(baseline)
+    return baseline
+
+
+def gpu_baseline_bytes() -> int:
+    """What this rank held on its GPU when its memory cap was set (0 without a cap, and on the CPU)."""
+    return int(os.environ.get(_BASELINE_ENV, "0"))
 
 
 def _pin_to_one_core(rank: int) -> None:
@@ -191,9 +227,10 @@ def _cuda(dev: torch.device | str | None) -> bool:
 
 
 def memory_allocated(device: torch.device | str | None = None) -> int:
-    """Bytes in live tensors: CUDA's allocator on a GPU, the emulated budget on the CPU (0 without one)."""
+    """Bytes in live tensors: CUDA's allocator on a GPU (net of `gpu_baseline_bytes`), the emulated budget on
+    the CPU (0 without one)."""
     if _cuda(device):
-        return torch.cuda.memory_allocated(device)
+        return max(0, torch.cuda.memory_allocated(device) - gpu_baseline_bytes())
     budget = emulate.active_budget()
     return budget.allocated if budget is not None else 0
 
@@ -201,7 +238,7 @@ def memory_allocated(device: torch.device | str | None = None) -> int:
 def max_memory_allocated(device: torch.device | str | None = None) -> int:
     """Peak bytes in live tensors since the last `reset_peak_memory_stats`."""
     if _cuda(device):
-        return torch.cuda.max_memory_allocated(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - gpu_baseline_bytes())
     budget = emulate.active_budget()
     return budget.peak if budget is not None else 0
 
@@ -220,6 +257,7 @@ def peak_bytes() -> tuple[int, str] | None:
     """(peak bytes since the last reset, what measured it) on this rank; None when nothing
     tracks memory here (the CPU without an emulated budget: use `labkit.measure`)."""
     if on_gpu():
-        return torch.cuda.max_memory_allocated(device()), "torch.cuda.max_memory_allocated"
+        source = "torch.cuda.max_memory_allocated" + (", net of the warm baseline" if gpu_baseline_bytes() else "")
+        return max_memory_allocated(device()), source
     budget = emulate.active_budget()
     return (budget.peak, "emulated budget") if budget is not None else None

@@ -11,12 +11,14 @@ torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
   fraction, as `launch` does;
 * a rank that raises still joins the gather, so every rank raises one `RankError` naming it at once, instead
   of the others waiting for a collective until the NCCL watchdog ends them;
+* the group made for the first launch stays for the next ones (destroyed at exit);
 * a process that another launcher started as one of several ranks (srun, mpirun) without torchrun is refused
   with the fix (`external_ranks`): launching here would start a whole job on this node alone.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import traceback
 from datetime import timedelta
@@ -89,21 +91,25 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, world_size: int, time
             f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
             "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node).")
     check_cluster(cluster)
-    created = init_group(timedelta(seconds=timeout_s), getattr(cluster, "memory_gib", None))
+    # The group outlives this launch: a script's next launch reuses it. Destroying and re-creating it at once
+    # raced in gloo's rendezvous (a rank read its peer's address from the old group: "Connection refused").
+    if init_group(timedelta(seconds=timeout_s), getattr(cluster, "memory_gib", None)):
+        atexit.register(_destroy)
     try:
-        try:
-            outcome: tuple[bool, Any] = (True, to_cpu(fn(*args, **kwargs)))
-            error = None
-        except Exception as exc:  # join the gather anyway: the other ranks learn of it now, not at a timeout
-            outcome, error = (False, (type(exc).__name__, str(exc), traceback.format_exc())), exc
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, outcome)
-        failed = [(rank, info) for rank, (ok, info) in enumerate(gathered) if not ok]
-        if failed:
-            rank, (name, message, remote) = failed[0]
-            raise RankError(f"rank {rank} raised {name}: {message}\n\n{remote}", rank=rank, kind="raised",
-                            exc_type=name, remote_traceback=remote) from error
-        return [value for _, value in gathered]
-    finally:
-        if created:
-            dist.destroy_process_group()
+        outcome: tuple[bool, Any] = (True, to_cpu(fn(*args, **kwargs)))
+        error = None
+    except Exception as exc:  # join the gather anyway: the other ranks learn of it now, not at a timeout
+        outcome, error = (False, (type(exc).__name__, str(exc), traceback.format_exc())), exc
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, outcome)
+    failed = [(rank, info) for rank, (ok, info) in enumerate(gathered) if not ok]
+    if failed:
+        rank, (name, message, remote) = failed[0]
+        raise RankError(f"rank {rank} raised {name}: {message}\n\n{remote}", rank=rank, kind="raised",
+                        exc_type=name, remote_traceback=remote) from error
+    return [value for _, value in gathered]
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

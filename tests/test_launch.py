@@ -441,16 +441,19 @@ def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
             if __name__ == "__main__":
                 rank = int(__import__("os").environ["RANK"])
                 results = labkit.launch(fn, 1, world_size=2)
-                if dist.is_initialized() is False and rank == 0:
-                    print("RESULTS", results)
+                if rank == 0:  # the group stays for the script's next launches
+                    print("RESULTS", results, "group kept" if dist.is_initialized() else "group gone", flush=True)
+                def say(line):  # one write per line: the two ranks share this stdout
+                    __import__("os").write(1, (line + "\\n").encode())
+
                 try:  # every rank hears of it at once, not when a collective times out
                     labkit.launch(fails_on_rank_1, world_size=2, timeout_s=60)
                 except labkit.RankError as err:
-                    print(f"RANKERROR on {rank}: rank {err.rank} {err.exc_type}", str(err).splitlines()[0])
+                    say(f"RANKERROR on {rank}: rank {err.rank} {err.exc_type} " + str(err).splitlines()[0])
                 try:
                     labkit.launch(fn, 1, world_size=2, cluster="cpu")
                 except ValueError as err:
-                    print(f"REFUSED on {rank}:", str(err)[:60])
+                    say(f"REFUSED on {rank}: " + str(err)[:60])
             """
         )
     )
@@ -460,7 +463,7 @@ def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "RESULTS [3.0, 3.0]" in proc.stdout
+    assert "RESULTS [3.0, 3.0] group kept" in proc.stdout
     for rank in (0, 1):
         assert f"RANKERROR on {rank}: rank 1 ValueError rank 1 raised ValueError: boom on rank 1" in proc.stdout
         assert f"REFUSED on {rank}: launch(cluster='cpu') under torchrun: the emulated cluster" in proc.stdout

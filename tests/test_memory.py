@@ -469,3 +469,29 @@ def test_estimate_takes_model_sizes_written_as_floats():
     assert estimate(params=7.5e9).total == estimate(params=7_500_000_000).total
     with pytest.raises(ValueError, match="params=7500000000.5"):
         estimate(params=7.5e9 + 0.5)
+
+
+def test_a_gpu_budget_is_set_above_the_warm_baseline_and_peaks_are_net_of_it(monkeypatch):
+    # Mocked CUDA: after the warm-up the process holds 80 MiB reserved, 66 MiB allocated (context buffers and two
+    # cuBLAS workspaces). A 48 MiB budget from zero would OOM on those; the cap goes above them instead.
+    import types
+
+    from labkit import runtime
+
+    MiB = 2**20
+    calls = {}
+    monkeypatch.setenv("LABKIT_GPU_BASELINE_BYTES", "0")  # undone after the test, whatever the cap sets
+    monkeypatch.setattr(runtime, "_warm_up_cuda", lambda dev: calls.setdefault("warm", dev))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=1024 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 80 * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 66 * MiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: 100 * MiB)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, dev=None: calls.update(fraction=fraction))
+    assert runtime.cap_above_baseline(0, 48 / 1024) == 66 * MiB
+    assert calls["warm"] == torch.device("cuda", 0) and calls["fraction"] == pytest.approx((80 + 48) / 1024)
+    monkeypatch.setattr(runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(runtime, "device", lambda: torch.device("cuda", 0))
+    peak, source = runtime.peak_bytes()
+    assert peak == 34 * MiB and source == "torch.cuda.max_memory_allocated, net of the warm baseline"
+    assert runtime.memory_allocated(torch.device("cuda", 0)) == 0  # the baseline itself is not the lab's
