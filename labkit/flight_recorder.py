@@ -52,11 +52,13 @@ def record_of(dump: dict[str, Any]) -> dict[str, Any]:
 
 
 def wait_for_dumps(run_dir: str | Path, ranks: list[int], seconds: float = 5.0) -> None:
-    """Give ranks whose watchdog is writing its dump a moment to finish (they dump at about the same time)."""
+    """Once one rank has dumped (a watchdog timed out), give the others a moment to finish theirs: they dump at
+    about the same time. Without any dump (a rank simply raised) there is nothing to wait for."""
+    paths = [Path(run_dir) / f"{DUMP_PREFIX}{r}" for r in ranks]
+    if not any(p.exists() for p in paths):
+        return
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if all((Path(run_dir) / f"{DUMP_PREFIX}{r}").exists() for r in ranks):
-            return
+    while time.monotonic() < deadline and not all(p.exists() for p in paths):
         time.sleep(0.2)
 
 

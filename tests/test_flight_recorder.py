@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from labkit import flight_recorder
 from labkit.emulate import diagnose_hang
 
@@ -44,3 +46,15 @@ def test_the_ranks_are_told_where_to_dump(tmp_path):
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
     (tmp_path / "nccl_trace_rank_0").write_bytes(b"torn")  # a dump cut short is skipped, not an error
     assert flight_recorder.read_records(tmp_path, 1) == {}
+
+
+def test_without_any_dump_a_failure_is_reported_at_once(tmp_path, monkeypatch):
+    # a rank that raised on NCCL leaves no dump: the launcher must not wait for dumps that will never come
+    def no_sleep(seconds):
+        raise AssertionError("waited for a dump although no rank dumped")
+
+    monkeypatch.setattr(flight_recorder.time, "sleep", no_sleep)
+    flight_recorder.wait_for_dumps(tmp_path, [0, 1], seconds=5.0)
+    _dump(tmp_path, 0, [_entry(1, "started")])  # one rank dumped: the other gets its moment
+    with pytest.raises(AssertionError, match="waited"):
+        flight_recorder.wait_for_dumps(tmp_path, [0, 1], seconds=5.0)
