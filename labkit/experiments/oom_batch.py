@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,12 +25,14 @@ from torch import nn
 from labkit import runtime, validate
 from labkit.experiments.common import CountingAllReduce, rank_rows, reference_backward, seeded_model
 from labkit.batch import accumulation_steps
+from labkit.experiments.script import Where, run_lab
 from labkit.measured_memory import BatchSearch, find_max_batch, free_memory, measure
-from labkit.memory import MemoryBreakdown
+from labkit.memory import MemoryBreakdown, estimate
 from labkit.models import GPT, GPTConfig, synthetic_batch
 from labkit.parallel.data import accumulate_with_no_sync
 
-__all__ = ["DPResult", "dp_train", "max_micro_batch", "rank_micro_batches", "reference_gradients"]
+__all__ = ["DEFAULTS", "DPResult", "dp_train", "headline", "main", "max_micro_batch", "rank_micro_batches",
+           "reference_gradients"]
 
 _MIB = 2**20
 
@@ -292,3 +294,59 @@ def reference_gradients(config: GPTConfig, global_batch: int, *, seed: int = 0) 
     model = seeded_model(config, seed)
     reference_backward(model, config, global_batch, step=0, seed=seed)
     return torch.cat([p.grad.detach().flatten() for p in model.parameters()])
+
+
+# ----------------------------------------------------------------- as a script (labkit.experiments.script)
+
+DEFAULTS: dict[str, Any] = {"world_size": 2, "memory_mib": 28, "global_batch": 64, "n_layers": 4, "d_model": 128,
+                            "n_heads": 4, "vocab_size": 512, "seq_len": 64, "bucket_cap_mb": 1.0, "timeout_s": 120}
+
+
+def headline(w: Where, memory_mib: float, global_batch: int, n_layers: int, d_model: int, n_heads: int,
+             vocab_size: int, seq_len: int, bucket_cap_mb: float, timeout_s: float) -> dict[str, Any]:
+    """Lab 02's records: peak memory per rank of the step as first written and with the fixes, against the memory.
+
+    The fixed step: bf16 autocast and activation checkpointing at the largest micro-batch whose estimate
+    (`labkit.memory.estimate`) fits `memory_mib`, accumulated under `no_sync` to the same global batch. On the
+    emulated cluster the fixed step runs inside the budget (an OOM would raise); under torchrun nothing caps the
+    memory (the cap is set once per process, when its group is made), so both peaks are measured and compared.
+    """
+    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len)
+    per_rank = global_batch // w.world_size
+    accumulation_steps(global_batch, per_rank, w.world_size)  # a ValueError with the fix if the batch does not split
+    fits = [m for m in range(per_rank, 0, -1) if per_rank % m == 0 and estimate(
+        model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True).peak
+        <= memory_mib * _MIB]
+    if not fits:
+        raise ValueError(f"not even a micro-batch of 1 fits memory_mib={memory_mib} with autocast and checkpointing; "
+                         "raise --set memory_mib or shrink the model (--set n_layers 2)")
+    micro = fits[0]
+    counting, limited = w.cluster, w.cluster
+    if w.emulated:  # a budget too large to hit only counts; the lab's budget enforces
+        counting, limited = replace(w.cluster, memory_gib=1024), replace(w.cluster, memory_gib=memory_mib / 1024)
+    before = w.launch(dp_train, config, global_batch, per_rank, bucket_cap_mb=bucket_cap_mb, timeout_s=timeout_s,
+                      cluster=counting)
+    after = w.launch(dp_train, config, global_batch, micro, precision="autocast", checkpointing=True,
+                     bucket_cap_mb=bucket_cap_mb, timeout_s=timeout_s, cluster=limited)
+    before_mib, after_mib = max(r.peak_mib for r in before), max(r.peak_mib for r in after)
+    est = estimate(model=config, precision="autocast", checkpointing=True, micro_batch=micro, keep_grads=True)
+    return {
+        "before": before_mib, "after": after_mib, "limit": float(memory_mib), "unit": "MiB",
+        "meaning": {"before": "peak memory per rank of the step as first written (the whole per-rank batch, fp32)",
+                    "after": f"peak with micro-batch {micro} under no_sync accumulation, bf16 autocast, checkpointing",
+                    "limit": "the memory each rank has" + ("" if w.emulated else " (compared here, not enforced)")},
+        "metric": f"peak memory per rank at global batch {global_batch}: as first written vs with the fixes",
+        "micro_batch_after": micro, "estimate_after_mib": est.peak / _MIB, "peak_source": after[0].peak_source,
+        "allreduces_per_step": after[0].allreduce_calls, "ddp_buckets": after[0].buckets,
+        "fits": after_mib <= memory_mib < before_mib,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_lab("02_oom_batch", headline, DEFAULTS, argv)
+
+
+if __name__ == "__main__":
+    from labkit.experiments import oom_batch  # by its own name, so launch pickles its functions by reference
+
+    raise SystemExit(oom_batch.main())

@@ -16,22 +16,24 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from labkit import runtime
+from labkit.cluster import Cluster
 from labkit.experiments.common import rank_rows, seeded_model
+from labkit.experiments.script import Where, emulated_cluster, run_lab
 from labkit.links import bus_bandwidth_factor
 from labkit.models import GPTConfig, synthetic_batch
 from labkit.parallel.layout import Layout, make_groups
 from labkit.parallel.pipeline import clock_stages, even_split, make_schedule, pipeline_stages
 from labkit.parallel.tensor import TPStats, shard_state, tensor_parallel
-from labkit.planner import Rates, forward_flops_per_token
+from labkit.planner import Rates, forward_flops_per_token, plan, spearman
 
-__all__ = ["LayoutRankResult", "LayoutSummary", "layout_steps", "measure_rates", "median_rates", "reference_gradients",
-           "summarize_layout"]
+__all__ = ["DEFAULTS", "LayoutRankResult", "LayoutSummary", "headline", "layout_steps", "main", "measure_rates",
+           "median_rates", "reference_gradients", "summarize_layout"]
 
 
 @dataclass
@@ -199,7 +201,7 @@ def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: i
     """This rank's speed on the model: its FLOP/s in forward + backward at `micro_batch`, and Adam's seconds per
     parameter, best of `repeats`. Timed on `labkit.runtime.clock` inside a launched rank (CPU time on the
     virtual clock, the synchronised wall clock on a GPU), else on this thread's CPU time."""
-    inside = runtime.current_cluster() is not None
+    inside = runtime.current_cluster() is not None or dist.is_initialized()  # launched, or a torchrun rank
     timer = runtime.clock if inside else time.thread_time
     dev = runtime.device() if inside else torch.device("cpu")
     model = seeded_model(config, seed, dev)
@@ -229,3 +231,73 @@ def median_rates(per_rank: list[Rates]) -> Rates:
     opt = statistics.median(r.optimizer_s_per_param for r in per_rank)
     return Rates(flops, opt, f"measured on {len(per_rank)} ranks at once: {flops / 1e9:.1f} GFLOP/s per rank in "
                              f"forward + backward, Adam {opt * 1e9:.2f} ns per parameter (medians)")
+
+
+# ----------------------------------------------------------------- as a script (labkit.experiments.script)
+
+DEFAULTS: dict = {"world_size": 8, "nodes": 2, "memory_mib": 28, "n_layers": 8, "d_model": 128, "n_heads": 8,
+                  "vocab_size": 1024, "seq_len": 64, "global_batch": 32, "micro_batches": [4, 8], "steps": 2,
+                  "timeout_s": 120}
+
+
+def headline(w: Where, nodes: int, memory_mib: float, n_layers: int, d_model: int, n_heads: int, vocab_size: int,
+             seq_len: int, global_batch: int, micro_batches: list[int], steps: int, timeout_s: float) -> dict:
+    """Lab 01's records: tensor parallelism over every rank (the mistake), the planner's pick, the best measured.
+
+    The planner plans for these ranks with `memory_mib` per GPU (the emulated budget; on GPUs a planning limit,
+    not enforced) and this machine's measured rates; every layout it accepts is measured, and the mistake.
+    """
+    if not w.torchrun:  # the emulated cluster of the notebook: `nodes` nodes sharing the ranks
+        if w.world_size % nodes:
+            raise ValueError(f"--world-size {w.world_size} does not divide over nodes={nodes}; e.g. --world-size "
+                             f"{nodes * max(1, w.world_size // nodes)}")
+        w = emulated_cluster(w, nodes=nodes, gpus_per_node=w.world_size // nodes)
+    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len)
+    if isinstance(w.cluster, Cluster):
+        described = replace(w.cluster, memory_gib=memory_mib / 1024)
+    elif w.on_gpu:
+        described = replace(Cluster.detect(), nodes=w.nodes, gpus_per_node=w.gpus_per_node, memory_gib=memory_mib / 1024)
+    else:  # torchrun on CPUs: the links this CPU's emulated cluster would model, for the plan only
+        described = Cluster.emulated(nodes=w.nodes, gpus_per_node=w.gpus_per_node, memory_gib=memory_mib / 1024)
+
+    def run(layout: Layout, micro_batch: int) -> LayoutSummary:
+        return summarize_layout(w.launch(layout_steps, config, layout, global_batch, micro_batch, steps=steps, warmup=1,
+                                         timeout_s=timeout_s, deadline_s=timeout_s * 3))
+
+    rates = median_rates(w.launch(measure_rates, config, micro_batches[0], timeout_s=timeout_s))
+    the_plan = plan(config, described, global_batch, precision="fp32", rates=rates, micro_batch_sizes=micro_batches,
+                    zero_stages=(0,), checkpointing=(False,))
+    pick = the_plan.best
+    tp_all = Layout(tp=w.world_size)
+    measured = {str(tp_all): run(tp_all, micro_batches[-1])}
+    for c in the_plan.candidates:
+        if c.ok:
+            measured[str(c.layout)] = run(c.layout, c.micro_batch)
+    predicted = {str(c.layout): c.predicted_ms for c in the_plan.candidates if str(c.layout) in measured}
+    rows = [{"layout": name, "predicted_ms": predicted.get(name), "measured_ms": m.step_ms,
+             "inter_MiB": m.link_bytes["inter"] / 2**20, "intra_MiB": m.link_bytes["intra"] / 2**20}
+            for name, m in measured.items()]
+    ranked = [r for r in rows if r["predicted_ms"] is not None]
+    best = min(rows, key=lambda r: r["measured_ms"])
+    return {
+        "before": measured[str(tp_all)].step_ms, "after": measured[str(pick.layout)].step_ms,
+        "limit": best["measured_ms"], "unit": "ms",
+        "meaning": {"before": f"step time of tensor parallelism over all {w.world_size} ranks of {w.nodes} node(s)",
+                    "after": f"step time of the planner's pick, {pick.layout}",
+                    "limit": f"the fastest layout measured, {best['layout']}"},
+        "metric": "step time of one model under data x tensor x pipeline layouts, predicted and measured",
+        "pick": str(pick.layout), "rates": rates.source,
+        "spearman": spearman([r["predicted_ms"] for r in ranked], [r["measured_ms"] for r in ranked])
+        if len(ranked) > 1 else None,
+        "sweep": rows, "plan": [c.row() for c in the_plan.candidates],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_lab("01_parallelism_choice", headline, DEFAULTS, argv)
+
+
+if __name__ == "__main__":
+    from labkit.experiments import parallelism_choice  # by its own name, so launch pickles its functions by reference
+
+    raise SystemExit(parallelism_choice.main())

@@ -52,10 +52,12 @@ class Where:
         return isinstance(self.cluster, Cluster) and self.cluster.is_emulated
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """`labkit.launch(fn, *args, world_size=..., cluster=..., **kwargs)` on these ranks."""
+        """`labkit.launch(fn, *args, world_size=..., cluster=..., **kwargs)` on these ranks (`cluster=` in
+        `kwargs` replaces this one: the same ranks with another memory budget)."""
         from labkit.launcher import launch
 
-        return launch(fn, *args, world_size=self.world_size, cluster=self.cluster, **kwargs)
+        kwargs.setdefault("cluster", self.cluster)
+        return launch(fn, *args, world_size=self.world_size, **kwargs)
 
     def rank(self) -> int:
         """This process's rank under torchrun (0 in a plain script: it is the parent of the ranks)."""
