@@ -25,11 +25,14 @@ import torch.distributed as dist
 
 from labkit import emulate, runtime, validate
 from labkit.experiments.common import seeded_model
+from labkit.experiments.script import Where, run_lab
 from labkit.models import GPTConfig, synthetic_batch
-from labkit.parallel.pipeline import clock_stages, gpt_loss, layer_names, make_schedule, pipeline_stages
-from labkit.pipeline import LayerProfile, bubble_fraction, ideal_step_time, profile_layers
+from labkit.parallel.pipeline import clock_stages, even_split, gpt_loss, layer_names, make_schedule, pipeline_stages
+from labkit.pipeline import (LayerProfile, balance, bubble_fraction, choose_micro_batches, ideal_step_time,
+                             profile_layers)
 
-__all__ = ["Plan", "PipelineRankResult", "PipelineSummary", "layer_costs", "pipeline_steps", "summarize_pipeline"]
+__all__ = ["DEFAULTS", "Plan", "PipelineRankResult", "PipelineSummary", "headline", "layer_costs", "main", "pipeline_steps",
+           "summarize_pipeline"]
 
 
 @dataclass
@@ -283,3 +286,52 @@ def layer_costs(config: GPTConfig, micro_batch: int, *, seed: int = 0, repeats: 
     model = seeded_model(config, seed, dev)
     x, y = synthetic_batch(config, micro_batch, seed=seed, device=dev)
     return profile_layers(model, x, y, repeats=repeats)
+
+
+# ----------------------------------------------------------------- as a script (labkit.experiments.script)
+
+DEFAULTS: dict[str, Any] = {"world_size": 4, "n_layers": 24, "d_model": 64, "vocab_size": 8192, "seq_len": 64,
+                            "batch_size": 32, "few_micro_batches": 4, "max_bubble": 0.3, "activation_mib": 64,
+                            "steps": 3, "warmup": 1, "timeout_s": 120}
+
+
+def headline(w: Where, n_layers: int, d_model: int, vocab_size: int, seq_len: int, batch_size: int,
+             few_micro_batches: int, max_bubble: float, activation_mib: float, steps: int, warmup: int,
+             timeout_s: float) -> dict[str, Any]:
+    """Lab 04's records: 1F1B over one stage per rank, split by layer count with few micro-batches, then split by
+    measured layer cost (`labkit.pipeline.balance`) with the micro-batches the bubble and the activation memory
+    allow; the limit is the same work perfectly balanced, mean stage cost x (m + p - 1)."""
+    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=4, vocab_size=vocab_size, seq_len=seq_len)
+    stages = w.world_size
+    one = profile_layers(seeded_model(config), *synthetic_batch(config, 1), repeats=1)  # sizes only: the same anywhere
+    m = choose_micro_batches(stages, batch_size, max_bubble, "1f1b", memory_bytes=activation_mib * 2**20,
+                             activation_bytes_per_sample=sum(layer.activation_bytes for layer in one) / stages)
+    # Every rank profiles (they share the machine as in the run); rank 0's costs, gathered, split on every rank.
+    costs = [layer.ms for layer in w.launch(layer_costs, config, batch_size // m, timeout_s=timeout_s)[0]]
+    naive, balanced = even_split(config, stages), balance(costs, stages)
+    per_rank = w.launch(pipeline_steps, config, [(naive, few_micro_batches, "1f1b"), (balanced, m, "1f1b")],
+                        batch_size=batch_size, steps=steps, warmup=warmup, check=True, timeout_s=timeout_s,
+                        deadline_s=timeout_s * 4)
+    before, after = (summarize_pipeline([rank[i] for rank in per_rank]) for i in range(2))
+    return {
+        "before": before.step_ms, "after": after.step_ms, "limit": after.limit_ms, "unit": "ms",
+        "meaning": {"before": f"1F1B step, {stages} stages split by layer count, {few_micro_batches} micro-batches",
+                    "after": f"1F1B step, stages balanced by measured layer cost, {m} micro-batches",
+                    "limit": "the same run's work perfectly balanced: mean stage cost per micro-batch x (m + p - 1)"},
+        "metric": "pipeline step time: split by layer count vs balanced by measured cost",
+        "sizes_before": naive, "sizes_after": balanced, "micro_batches": m,
+        "stage_ms_before": before.stage_ms, "stage_ms_after": after.stage_ms,
+        "imbalance_before": before.imbalance, "imbalance_after": after.imbalance,
+        "bubble_measured": after.bubble, "bubble_formula": after.bubble_formula,
+        "max_abs_diff": max(before.grad_error, after.grad_error),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_lab("04_imbalanced_pipeline", headline, DEFAULTS, argv)
+
+
+if __name__ == "__main__":
+    from labkit.experiments import imbalanced_pipeline  # by its own name, so launch pickles its functions by reference
+
+    raise SystemExit(imbalanced_pipeline.main())
