@@ -21,6 +21,8 @@ the fix that a trace of it points to. The planted mistakes, each seen in real jo
 
 from __future__ import annotations
 
+import random
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -34,12 +36,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit import runtime, validate
 from labkit.experiments.common import seeded_model
+from labkit.experiments.script import Where, run_lab
 from labkit.models import GPTConfig, synthetic_batch
 from labkit.parallel.data import allreduce_gradients_naive
 from labkit.trace.capture import capture
 from labkit.trace.phases import phase
 
-__all__ = ["BOTTLENECKS", "FIXES", "SequenceDataset", "mystery_runs", "tokenizer_passes"]
+__all__ = ["BOTTLENECKS", "DEFAULTS", "FIXES", "SequenceDataset", "headline", "main", "mystery_runs", "tokenizer_passes"]
 
 BOTTLENECKS = (None, "straggler", "data_loading", "small_collectives", "sync_collective", "host_sync")
 FIXES = {
@@ -212,3 +215,54 @@ def mystery_runs(config: GPTConfig, runs: Sequence[tuple[str | None, bool]], tra
         out.append({"bottleneck": job.bottleneck, "fixed": job.fixed, "traces": str(path.parent),
                     "step_ms": t[warmup:], "median_ms": statistics.median(t[warmup:]), "rank": job.rank})
     return out
+
+
+# ----------------------------------------------------------------- as a script (labkit.experiments.script)
+
+DEFAULTS: dict[str, Any] = {"world_size": 2, "n_layers": 2, "d_model": 64, "vocab_size": 2048, "seq_len": 64,
+                            "batch_size": 8, "mystery_seed": 3, "steps": 3, "trace_dir": "traces_05", "timeout_s": 120}
+
+
+def headline(w: Where, n_layers: int, d_model: int, vocab_size: int, seq_len: int, batch_size: int,
+             mystery_seed: int, steps: int, trace_dir: str, timeout_s: float) -> dict[str, Any]:
+    """Lab 05's records: a job with a mistake planted by `mystery_seed`, the same job with the fix the trace's
+    diagnosis (`labkit.trace.diagnose`) names, and the clean job, in one launch."""
+    from labkit.trace import diagnose
+
+    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=4, vocab_size=vocab_size, seq_len=seq_len)
+    # A host sync costs nothing where compute is synchronous (the CPU): drawn only on GPUs.
+    shows_here = [b for b in BOTTLENECKS if b is not None and (b != "host_sync" or w.on_gpu)]
+    planted = random.Random(mystery_seed).choice(shows_here)
+    folder = Path(trace_dir).resolve()
+    if w.rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # this run's traces only (ranks write theirs inside the launch)
+
+    def runs(plan: list[tuple[str | None, bool]]) -> list[list[dict[str, Any]]]:
+        per_rank = w.launch(mystery_runs, config, plan, str(folder), batch_size=batch_size, steps=steps,
+                            timeout_s=timeout_s, deadline_s=timeout_s * 3)
+        return [[rank[i] for rank in per_rank] for i in range(len(plan))]
+
+    (mystery,) = runs([(planted, False)])
+    found = diagnose(Path(mystery[0]["traces"]))
+    fix = (found.kind, True) if found.kind in BOTTLENECKS else (planted, False)  # nothing named: nothing fixed
+    before, after, clean = runs([(planted, False), fix, (None, False)])
+    ms = [max(r["median_ms"] for r in run) for run in (before, after, clean)]  # the slowest rank's median
+    return {
+        "before": ms[0], "after": ms[1], "limit": ms[2], "unit": "ms",
+        "meaning": {"before": "data-parallel step time with a planted bottleneck (slowest rank's median)",
+                    "after": "step time after the fix that the trace's diagnosis pointed to",
+                    "limit": "the same job with nothing planted, measured in the same launch"},
+        "metric": "step time of a job with a hidden bottleneck, before and after the fix the trace named",
+        "planted": planted, "diagnosed": found.kind, "evidence": found.evidence, "fix": FIXES.get(found.kind),
+        "traces": mystery[0]["traces"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_lab("05_unprofiled_run", headline, DEFAULTS, argv)
+
+
+if __name__ == "__main__":
+    from labkit.experiments import unprofiled_run  # by its own name, so launch pickles its functions by reference
+
+    raise SystemExit(unprofiled_run.main())
