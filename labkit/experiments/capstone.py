@@ -46,13 +46,14 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit import emulate, runtime, validate
 from labkit.batch import accumulation_steps
 from labkit.experiments.common import seeded_model
+from labkit.experiments.script import Where, run_lab
 from labkit.experiments.unprofiled_run import SequenceDataset, tokenizer_passes
 from labkit.models import GPTConfig, synthetic_batch
 from labkit.parallel.data import allreduce_gradients_naive
 from labkit.trace.capture import capture
 from labkit.trace.phases import phase
 
-__all__ = ["MISTAKES", "Capstone", "TrainingJob", "draw", "job_name", "train"]
+__all__ = ["DEFAULTS", "MISTAKES", "Capstone", "TrainingJob", "draw", "headline", "job_name", "main", "train"]
 
 MISTAKES = ("oom_batch", "per_tensor_allreduce", "straggler", "data_loading", "sync_logging")
 _MIB = 2**20
@@ -312,3 +313,88 @@ def train(cap: Capstone, jobs: Sequence[TrainingJob], trace_dir: str, *, steps: 
         out.append({"job": run.job, "rank": rank, "peak_mib": peak, "step_ms": t[warmup:],
                     "median_ms": statistics.median(t[warmup:]), "loss": loss, "traces": str(path.parent)})
     return out
+
+
+# ----------------------------------------------------------------- as a script (labkit.experiments.script)
+
+DEFAULTS: dict[str, Any] = {"world_size": 2, "capstone_seed": 0, "steps": 2, "trace_steps": 3, "trace_dir": "traces_06",
+                            "timeout_s": 120}
+# A kind of labkit.trace.findings: the capstone mistake it shows, and the knobs that fix it (the notebook's exercise 2)
+_KNOB_FIXES = {"small_collectives": ("per_tensor_allreduce", {"grad_sync": "ddp"}),
+               "straggler": ("straggler", {"eval_rank": None}), "data_loading": ("data_loading", {"tokenize": "ahead"}),
+               "sync_collective": ("sync_logging", {"accuracy": "local"})}
+
+
+def headline(w: Where, capstone_seed: int, steps: int, trace_steps: int, trace_dir: str,
+             timeout_s: float) -> dict[str, Any]:
+    """The capstone's records, found by measurement alone: the job as handed (its micro-batch cut to the largest
+    whose estimate fits 90 % of the memory, if it runs out), then rounds of fixing the first of
+    `labkit.trace.findings` until the traces show nothing; the limit is the clean job, in the final launch."""
+    from labkit.memory import estimate  # above this module, as the trace's analysis is
+    from labkit.trace import findings
+
+    cap = draw(capstone_seed, world_size=w.world_size)
+    folder = Path(trace_dir).resolve()
+
+    def attempt(jobs: list[TrainingJob], name: str) -> list[list[dict[str, Any]]] | None:
+        from labkit.launcher import RankError
+
+        try:
+            per_rank = w.launch(train, cap, jobs, str(folder / name), steps=steps, trace_steps=trace_steps,
+                                timeout_s=timeout_s, deadline_s=timeout_s * 3)
+        except RankError as err:
+            if err.exc_type != "OutOfMemoryError":  # under torchrun only the rank that raised has its __cause__
+                raise
+            return None
+        return [[rank[i] for rank in per_rank] for i in range(len(jobs))]
+
+    def ms(run: list[dict[str, Any]]) -> float:
+        return max(r["median_ms"] for r in run)  # the job's step: its slowest rank's median
+
+    found, job = [], cap.job
+    runs = attempt([job], "as_handed")
+    oom = runs is None
+    if oom:
+        found.append("oom_batch")
+        share = job.global_batch // w.world_size
+        fits = [m for m in range(share, 0, -1) if share % m == 0 and estimate(
+            model=cap.model, micro_batch=m, optimizer="adam", precision="fp32", keep_grads=m < share).peak
+            <= 0.9 * cap.memory_mib * _MIB]
+        job = dataclasses.replace(job, micro_batch=fits[0] if fits else 1)
+        if (runs := attempt([job], "memory_fixed")) is None:
+            raise RuntimeError(f"micro_batch={job.micro_batch} still runs out of {cap.memory_mib} MiB per rank")
+    before = ms(runs[0])
+    rounds = [{"round": "as it runs", "step_ms": before}]
+    seen = findings(Path(runs[0][0]["traces"]))
+    for i in range(len(_KNOB_FIXES)):  # bounded: one fix per round
+        first = next((d for d in seen if d.kind in _KNOB_FIXES), None)
+        if first is None:
+            break
+        mistake, knobs = _KNOB_FIXES[first.kind]
+        found.append(mistake)
+        if (runs := attempt([job := dataclasses.replace(job, **knobs)], f"round{i + 1}")) is None:
+            raise RuntimeError(f"the fix for {first.kind} ran out of memory: {job}")
+        seen = findings(Path(runs[0][0]["traces"]))
+        rounds.append({"round": f"{first.kind} fixed", "step_ms": ms(runs[0])})
+    if (final := attempt([job, cap.clean], "final")) is None:
+        raise RuntimeError(f"the fixed job or the clean one ran out of {cap.memory_mib} MiB per rank")
+    return {
+        "before": before, "after": ms(final[0]), "limit": ms(final[1]), "unit": "ms",
+        "meaning": {"before": "step time of the job as it first ran (after its memory fix, if it did not fit)",
+                    "after": "step time with every mistake the traces pointed to fixed",
+                    "limit": "the same job with nothing planted, measured in the same launch as after"},
+        "metric": "step time of a job with two or three planted mistakes, before and after finding and fixing them",
+        "seed": capstone_seed, "oom_at_start": oom, "found": sorted(found), "rounds": rounds, "job_fixed": job.__dict__,
+        "peak_mib": {"fixed": max(r["peak_mib"] for r in final[0]), "clean": max(r["peak_mib"] for r in final[1]),
+                     "memory": cap.memory_mib},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_lab("06_capstone", headline, DEFAULTS, argv)
+
+
+if __name__ == "__main__":
+    from labkit.experiments import capstone  # by its own name, so launch pickles its functions by reference
+
+    raise SystemExit(capstone.main())
