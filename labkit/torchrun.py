@@ -8,7 +8,7 @@ torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
   checking that the node has a GPU for every local rank;
 * a `cluster=` it cannot honour is refused: the emulated cluster (links, virtual clock, memory budget)
   exists only for ranks that `launch` starts itself; a GPU cluster's `memory_gib` is applied as a memory
-  fraction, as `launch` does;
+  fraction above the warm process's baseline (`runtime.cap_above_baseline`), as `launch` does;
 * a rank that raises still joins the gather, so every rank raises one `RankError` naming it at once, instead
   of the others waiting for a collective until the NCCL watchdog ends them;
 * the group made for the first launch stays for the next ones (destroyed at exit);
@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from labkit import runtime
 
 __all__ = ["check_cluster", "external_ranks", "init_group", "run", "under_torchrun"]
 
@@ -72,9 +74,8 @@ def init_group(timeout: timedelta, memory_gib: float | None = None) -> bool:
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one process per "
                          f"GPU, so --nproc-per-node {gpus}")
     torch.cuda.set_device(local_rank)
-    if memory_gib:
-        total = torch.cuda.get_device_properties(local_rank).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib * 2**30 / total), local_rank)
+    if memory_gib:  # above what the warm process holds (cuBLAS workspaces), as for the ranks launch starts
+        runtime.cap_above_baseline(local_rank, memory_gib)
     # CPU tensors go over gloo, CUDA tensors over NCCL (torch.distributed's per-device backends)
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
     return True

@@ -487,6 +487,11 @@ def test_torchrun_ranks_get_gloo_for_cpu_and_nccl_for_cuda_tensors(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert torchrun.init_group(timedelta(seconds=5)) is True
     assert calls["backend"] == "cpu:gloo,cuda:nccl" and calls["device_id"] == torch.device("cuda", 0)
+    # memory_gib is a cap above the warm baseline (cuBLAS workspaces come from the same allocator), as in launch
+    from labkit import runtime
+
+    monkeypatch.setattr(runtime, "cap_above_baseline", lambda rank, gib: calls.update(capped=(rank, gib)))
+    assert torchrun.init_group(timedelta(seconds=5), memory_gib=0.5) is True and calls["capped"] == (0, 0.5)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="has 1 visible GPU.*--nproc-per-node 1"):
         torchrun.init_group(timedelta(seconds=5))
