@@ -13,16 +13,24 @@ ProcessGroupNCCL, see "PYTORCH ProcessGroupNCCL Environment Variables" and the F
 
 `read_records(run_dir, world_size)` gives each dumped rank's record in `diagnose_hang`'s shape: the collectives
 counted, the last one, the first one not completed, and the status.
+
+Under torchrun nothing is left to read the dumps once the watchdog has ended the ranks, so `labkit.torchrun` points
+them at `./nccl_dumps/` (unless the variables are set already) and, after the job, a person runs
+
+    python -m labkit.flight_recorder nccl_dumps --world-size 16
+
+which prints the same diagnosis `launch` gives (`main`).
 """
 
 from __future__ import annotations
 
+import argparse
 import pickle
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DUMP_PREFIX", "env_for", "read_records", "record_of", "wait_for_dumps"]
+__all__ = ["DUMP_PREFIX", "env_for", "main", "read_records", "record_of", "wait_for_dumps"]
 
 DUMP_PREFIX = "nccl_trace_rank_"
 _ENTRIES = 2000  # collectives kept per rank: a few steps of a lab, a few MB at most
@@ -72,3 +80,27 @@ def read_records(run_dir: str | Path, world_size: int) -> dict[int, dict]:
         except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError):
             continue
     return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m labkit.flight_recorder DIR --world-size N`: which collective hung, on which rank, and why."""
+    from labkit.emulate import diagnose_hang
+
+    p = argparse.ArgumentParser(prog="python -m labkit.flight_recorder",
+                                description="Read NCCL flight-recorder dumps and say which collective hung.")
+    p.add_argument("dir", help=f"the folder of the dumps ({DUMP_PREFIX}<rank> files)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks in the job (a missing dump is named)")
+    args = p.parse_args(argv)
+    records = read_records(args.dir, args.world_size)
+    if not records:
+        print(f"no readable dump ({DUMP_PREFIX}<rank>) in {args.dir}: the watchdog wrote none (was "
+              "TORCH_NCCL_DUMP_ON_TIMEOUT=1 set before the group was made, and did a collective time out?)")
+        return 1
+    diag = diagnose_hang(records, args.world_size)
+    print(f"dumps of ranks {sorted(records)} of {args.world_size}")
+    print(diag[0] if diag else "every collective in the dumps completed: the hang was outside a collective")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

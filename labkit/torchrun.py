@@ -11,6 +11,8 @@ torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
   fraction above the warm process's baseline (`runtime.cap_above_baseline`), as `launch` does;
 * a rank that raises still joins the gather, so every rank raises one `RankError` naming it at once, instead
   of the others waiting for a collective until the NCCL watchdog ends them;
+* NCCL's flight recorder dumps into `./nccl_dumps/` when a collective times out (unless its variables are set):
+  `python -m labkit.flight_recorder nccl_dumps --world-size N` names the operation and the rank afterwards;
 * the group made for the first launch stays for the next ones (destroyed at exit);
 * a process that another launcher started as one of several ranks (srun, mpirun) without torchrun is refused
   with the fix (`external_ranks`): launching here would start a whole job on this node alone.
@@ -22,12 +24,13 @@ import atexit
 import os
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from labkit import runtime
+from labkit import flight_recorder, runtime
 
 __all__ = ["check_cluster", "external_ranks", "init_group", "run", "under_torchrun"]
 
@@ -76,6 +79,11 @@ def init_group(timeout: timedelta, memory_gib: float | None = None) -> bool:
     torch.cuda.set_device(local_rank)
     if memory_gib:  # above what the warm process holds (cuBLAS workspaces), as for the ranks launch starts
         runtime.cap_above_baseline(local_rank, memory_gib)
+    # The flight recorder, read at the group's creation: a hang leaves dumps (python -m labkit.flight_recorder)
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
+        (Path.cwd() / "nccl_dumps").mkdir(exist_ok=True)  # the writer opens <prefix><rank>, it makes no folder
+    for key, value in flight_recorder.env_for(Path.cwd() / "nccl_dumps").items():
+        os.environ.setdefault(key, value)
     # CPU tensors go over gloo, CUDA tensors over NCCL (torch.distributed's per-device backends)
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
     return True

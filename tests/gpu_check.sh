@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one short run (under 8 minutes on one GPU), ending with a table: the GPU, labkit doctor,
 # then the tests marked `gpu` (NCCL collectives, the memory estimate against CUDA's allocator, a CUDA trace,
-# each solution notebook on the GPUs there are). Uses the torch already installed (a machine may be offline);
+# each solution notebook on the GPUs there are, each lab's script under torchrun). Uses the torch already installed (a machine may be offline);
 # says what is missing instead of installing it.
 set -u
 cd "$(dirname "$0")/.."

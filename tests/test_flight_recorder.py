@@ -58,3 +58,45 @@ def test_without_any_dump_a_failure_is_reported_at_once(tmp_path, monkeypatch):
     _dump(tmp_path, 0, [_entry(1, "started")])  # one rank dumped: the other gets its moment
     with pytest.raises(AssertionError, match="waited"):
         flight_recorder.wait_for_dumps(tmp_path, [0, 1], seconds=5.0)
+
+
+def test_after_a_torchrun_job_hung_the_dumps_are_read_from_the_command_line(tmp_path, capsys):
+    _dump(tmp_path, 0, [_entry(1, "completed"), _entry(2, "started")])
+    _dump(tmp_path, 1, [_entry(1, "completed")])
+    assert flight_recorder.main([str(tmp_path), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dumps of ranks [0, 1] of 2" in out and "all_reduce #2 (float[1024]) on rank 0 never completed" in out
+    assert flight_recorder.main([str(tmp_path / "none"), "--world-size", "2"]) == 1
+    assert "no readable dump" in capsys.readouterr().out
+
+
+def test_torchrun_ranks_on_gpus_get_the_flight_recorder(monkeypatch, tmp_path):
+    # Mocked CUDA, one GPU: the variables are set before the NCCL group is made; a user's own are kept.
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from labkit import torchrun
+
+    seen = {}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(
+        dump=__import__("os").environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+        on_timeout=__import__("os").environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT")))
+    for key in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                "TORCH_FR_BUFFER_SIZE"):
+        monkeypatch.setenv(key, "-")  # recorded, so that what init_group sets is undone after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    torchrun.init_group(timedelta(seconds=5))
+    assert seen == {"dump": str(tmp_path / "nccl_dumps" / "nccl_trace_rank_"), "on_timeout": "1"}
+    assert (tmp_path / "nccl_dumps").is_dir()
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/shared/mine_")
+    torchrun.init_group(timedelta(seconds=5))
+    assert seen["dump"] == "/shared/mine_"

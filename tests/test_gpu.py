@@ -126,3 +126,28 @@ def test_each_solution_notebook_on_the_gpus_there_are(nb, tmp_path):
         _check_records(nb.stem, rec)  # the emulated run's own targets
     else:
         assert rec.get("emulated") is not True and all(k in rec for k in ("before", "after", "limit", "unit"))
+
+
+# labs whose script runs on one rank too; the others need two (a collective, a straggler, a data-parallel job)
+ONE_RANK_SCRIPTS = {"oom_batch", "unoverlapped_comms", "parallelism_choice"}
+
+
+@pytest.mark.parametrize("module", ["cluster_tour", "parallelism_choice", "oom_batch", "unoverlapped_comms",
+                                    "imbalanced_pipeline", "unprofiled_run", "capstone"])
+def test_each_lab_script_under_torchrun_on_the_gpus_there_are(module, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from test_scripts import _argv
+
+    n = _gpus()
+    if n < 2 and module not in ONE_RANK_SCRIPTS:
+        pytest.skip(f"labkit.experiments.{module} needs 2 ranks, {n} GPU here")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(min(n, 4)), "-m", f"labkit.experiments.{module}", *_argv(module, tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / f"{module}.json").read_text())
+    assert rec["torchrun"] is True and rec["emulated"] is False and "measured on GPU" in rec["where"]
+    assert all(k in rec for k in ("before", "after", "limit", "unit"))
