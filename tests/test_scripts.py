@@ -121,3 +121,12 @@ def test_under_torchrun_the_emulated_cluster_is_refused(monkeypatch):
         script.where("cpu", 2)
     w = script.where("auto", 8)  # torchrun's world size wins
     assert w.torchrun and w.world_size == 2 and w.cluster == "auto"
+
+
+def test_a_parameter_the_lab_cannot_run_with_ends_with_its_fix(capsys):
+    from labkit.experiments import capstone, cluster_tour
+
+    assert capstone.main(["--world-size", "1"]) == 2  # before any rank starts
+    assert "lab 06_capstone: world_size=1: the capstone is a data-parallel job; use 2 or more" in capsys.readouterr().err
+    assert cluster_tour.main(["--world-size", "1"]) == 2
+    assert "use --world-size 2, or torchrun --nproc-per-node 2" in capsys.readouterr().err

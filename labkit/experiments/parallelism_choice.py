@@ -252,6 +252,10 @@ def headline(w: Where, nodes: int, memory_mib: float, n_layers: int, d_model: in
             raise ValueError(f"--world-size {w.world_size} does not divide over nodes={nodes}; e.g. --world-size "
                              f"{nodes * max(1, w.world_size // nodes)}")
         w = emulated_cluster(w, nodes=nodes, gpus_per_node=w.world_size // nodes)
+    if n_heads % w.world_size or d_model % w.world_size:
+        raise ValueError(f"the mistake, tensor parallelism over all {w.world_size} ranks, splits the heads and the "
+                         f"width: n_heads={n_heads} and d_model={d_model} must divide by {w.world_size}; e.g. --set "
+                         f"n_heads {w.world_size} --set d_model {max(d_model // w.world_size, 8) * w.world_size}")
     config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len)
     if isinstance(w.cluster, Cluster):
         described = replace(w.cluster, memory_gib=memory_mib / 1024)

@@ -10,7 +10,8 @@ the lab's measurement in a few launches, returning the records its notebook writ
 meaning, metric and the extras that say why). Every rank runs the script; every `labkit.launch` inside gathers
 the ranks' results onto every rank (`labkit.torchrun`), so every rank computes the same records from them and
 rank 0 alone prints them (`labkit-record` lines, as `labkit.record` does outside a notebook) and writes them to
-`--out`. `--set key=value` overrides a parameter (JSON values; an unknown key is refused with the list).
+`--out`. `--set key value` overrides a parameter (JSON values; an unknown key is refused with the list); a
+parameter the lab cannot run with ends the script with exit status 2 and the message (its value and the fix).
 
 What the numbers are depends on where they ran, and the records say so (`where`): the emulated cluster when
 `labkit.launch` starts the ranks on a machine without GPUs (virtual clock, modelled links, memory budget);
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -124,7 +126,12 @@ def run_lab(lab: str, headline: Callable[..., dict[str, Any]], defaults: dict[st
     if talk:
         print(f"lab {lab}: {w.world_size} ranks ({w.label}); parameters {params}", flush=True)
     t0 = time.perf_counter()
-    records = headline(w, **params)
+    try:
+        records = headline(w, **params)
+    except ValueError as err:  # a parameter the lab cannot run with: the message has the value and the fix
+        if talk:
+            print(f"lab {lab}: {err}", file=sys.stderr, flush=True)
+        return 2
     records = {**records, "lab": lab, "where": w.label, "emulated": w.emulated, "torchrun": w.torchrun,
                "world_size": w.world_size, "nodes": w.nodes, "params": params}
     if talk:
