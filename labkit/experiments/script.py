@@ -102,7 +102,8 @@ def _parse(argv: list[str] | None, lab: str, defaults: dict[str, Any]) -> tuple[
     p.add_argument("--cluster", default="auto", help="auto, cpu (emulated) or gpu; under torchrun: auto or gpu")
     p.add_argument("--out", default=f"records_{lab}.json", help="where rank 0 writes the records (JSON)")
     p.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"), default=[],
-                   help="override a parameter, e.g. --set steps 2 (values are JSON)")
+                   help="override a parameter (values are JSON); the defaults: " + ", ".join(
+                       f"{k}={v!r}" for k, v in defaults.items() if k != "world_size"))
     args = p.parse_args(argv)
     params = dict(defaults)
     params.pop("world_size", None)
