@@ -37,8 +37,20 @@ def _run(op: str, count: int, full: torch.Tensor, shard: torch.Tensor, src: int,
 
     nccl-tests launches its iterations one after another and waits once at the end, so the
     host's per-call overhead hides behind the transfers and the device's time is measured;
-    the buffers hold zeros, so overlapping in-place reductions cannot change them.
+    the buffers hold zeros, so overlapping in-place reductions cannot change them. On a GPU the
+    span is read from CUDA events on the current stream: ProcessGroupNCCL makes its stream wait
+    for the current one when a collective starts, and `work.wait()` makes the current stream wait
+    for the collective's end, so the two events bracket the K collectives on the device.
     """
+    if full.is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        works = [_start(op, full, shard, src, group) for _ in range(count)]
+        for work in works:
+            work.wait()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / count  # elapsed_time is in ms
     t0 = runtime.clock()
     works = [_start(op, full, shard, src, group) for _ in range(count)]
     for work in works:

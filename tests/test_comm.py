@@ -273,3 +273,39 @@ def test_bus_bandwidth_factor_numbers():
 def test_bucket_cap_must_be_positive():
     with pytest.raises(ValueError, match="bucket_cap_mb=0"):
         OverlappedDDP(nn.Linear(2, 2), bucket_cap_mb=0)
+
+
+def test_on_a_gpu_the_collectives_are_timed_by_cuda_events_around_them(monkeypatch):
+    # Mocked CUDA: the start event is recorded before the first collective starts, the end event after every
+    # work's wait (which makes the current stream wait for NCCL's), and the span is divided by the count.
+    from labkit import bandwidth
+
+    order = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.name = "start" if not any(o.startswith("record") for o in order) else "end"
+
+        def record(self):
+            order.append(f"record {self.name}")
+
+        def synchronize(self):
+            order.append("synchronize")
+
+        def elapsed_time(self, other):
+            return 12.0  # ms
+
+    class Work:
+        def wait(self):
+            order.append("wait")
+
+    class Buffer:
+        is_cuda = True
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(bandwidth, "_start", lambda *a: order.append("start op") or Work())
+    seconds = bandwidth._run("all_reduce", 3, Buffer(), Buffer(), 0, None)
+    assert order == ["record start", "start op", "start op", "start op", "wait", "wait", "wait", "record end",
+                     "synchronize"]
+    assert seconds == pytest.approx(12.0 / 1e3 / 3)

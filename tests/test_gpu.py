@@ -151,3 +151,15 @@ def test_each_lab_script_under_torchrun_on_the_gpus_there_are(module, tmp_path):
     rec = json.loads((tmp_path / f"{module}.json").read_text())
     assert rec["torchrun"] is True and rec["emulated"] is False and "measured on GPU" in rec["where"]
     assert all(k in rec for k in ("before", "after", "limit", "unit"))
+
+
+def test_bandwidth_test_times_collectives_on_the_gpu_with_cuda_events():
+    from labkit.bandwidth import bandwidth_test
+
+    if _gpus() < 1:
+        pytest.skip("no GPU")
+    n = min(_gpus(), 2)
+    rows = launch(bandwidth_test, [1 << 16, 1 << 26], iters=10, world_size=n, cluster="gpu", timeout_s=120)[0]
+    assert all(r["time_ms"] > 0 for r in rows) and rows[1]["time_ms"] > rows[0]["time_ms"]
+    if n > 1:
+        assert rows[1]["busbw_GBps"] > rows[0]["busbw_GBps"]
