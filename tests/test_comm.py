@@ -280,12 +280,13 @@ def test_on_a_gpu_the_collectives_are_timed_by_cuda_events_around_them(monkeypat
     # work's wait (which makes the current stream wait for NCCL's), and the span is divided by the count.
     from labkit import bandwidth
 
-    order = []
+    order, made = [], []
 
     class Event:
         def __init__(self, enable_timing=False):
             assert enable_timing
-            self.name = "start" if not any(o.startswith("record") for o in order) else "end"
+            self.name = ("start", "end")[len(made)]
+            made.append(self)
 
         def record(self):
             order.append(f"record {self.name}")
