@@ -119,6 +119,9 @@ def test_under_torchrun_the_emulated_cluster_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="under torchrun: the emulated cluster"):
         script.where("cpu", 2)
+    for other in ("gpu", "bogus"):  # no GPU here; not a cluster
+        with pytest.raises(ValueError, match=f"--cluster {other} under torchrun: use auto"):
+            script.where(other, 2)
     w = script.where("auto", 8)  # torchrun's world size wins
     assert w.torchrun and w.world_size == 2 and w.cluster == "auto"
 

@@ -34,7 +34,7 @@ from labkit import torchrun
 from labkit.cluster import Cluster
 from labkit.course.records import record
 
-__all__ = ["Where", "run_lab"]
+__all__ = ["Where", "emulated_cluster", "run_lab", "where"]
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,15 @@ class Where:
 def where(cluster: str, world_size: int) -> Where:
     """The ranks a script runs on: torchrun's when torchrun started it, else `world_size` ranks of `cluster`."""
     if torchrun.under_torchrun():
-        if cluster not in ("auto", "gpu"):
-            torchrun.check_cluster(cluster)  # refuses the emulated cluster with the fix
         import torch
 
+        torchrun.check_cluster(cluster)  # refuses the emulated cluster with the fix
+        gpu = torch.cuda.is_available()
+        if cluster not in ("auto", "gpu") or (cluster == "gpu" and not gpu):
+            raise ValueError(f"--cluster {cluster} under torchrun: use auto (NCCL on GPUs, gloo on CPUs)"
+                             + ("" if gpu else f"; this machine has no GPU for gpu (torch {torch.__version__})"))
         n = int(os.environ["WORLD_SIZE"])
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", n))
-        gpu = torch.cuda.is_available()
         label = (f"measured on GPU, torchrun: {n} ranks, {per_node} per node, NCCL" if gpu else
                  f"torchrun on CPU: {n} processes over gloo, wall clock; no GPU, no link model")
         return Where(n, "auto", max(1, n // per_node), per_node, True, gpu, label)
@@ -122,12 +124,12 @@ def run_lab(lab: str, headline: Callable[..., dict[str, Any]], defaults: dict[st
             argv: list[str] | None = None) -> int:
     """Parse the command line, run `headline(where, **params)`, print and write its records on rank 0."""
     args, params = _parse(argv, lab, defaults)
-    w = where(args.cluster, args.world_size)
-    talk = w.rank() == 0
-    if talk:
-        print(f"lab {lab}: {w.world_size} ranks ({w.label}); parameters {params}", flush=True)
+    talk = int(os.environ.get("RANK", "0")) == 0 or not torchrun.under_torchrun()
     t0 = time.perf_counter()
     try:
+        w = where(args.cluster, args.world_size)
+        if talk:
+            print(f"lab {lab}: {w.world_size} ranks ({w.label}); parameters {params}", flush=True)
         records = headline(w, **params)
     except ValueError as err:  # a parameter the lab cannot run with: the message has the value and the fix
         if talk:
