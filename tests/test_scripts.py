@@ -51,13 +51,21 @@ def test_every_lab_runs_under_torchrun_and_writes_its_records(tmp_path):
     """One torchrun job runs every lab's `main` in turn (the same code path as `-m`, without seven startups)."""
     driver = tmp_path / "every_lab.py"
     runs = {name: _argv(name, tmp_path) for name in SMALL}
+    # Lab 00 as `-m` runs it (runpy, as __main__, argv from the command line): the module's own entry point.
     driver.write_text(textwrap.dedent(f"""
-        import importlib
-        for name, argv in {runs!r}.items():
-            importlib.import_module("labkit.experiments." + name).main(argv)
+        import importlib, runpy, sys
+        runs = {runs!r}
+        sys.argv = ["labkit.experiments.cluster_tour", *runs.pop("cluster_tour")]
+        try:
+            runpy.run_module("labkit.experiments.cluster_tour", run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            assert done.code == 0, done.code
+        for name, argv in runs.items():
+            assert importlib.import_module("labkit.experiments." + name).main(argv) == 0, name
     """))
     proc = _torchrun(str(driver), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(proc.stdout.count(f"lab {lab}: before") == 1 for lab in ("00_cluster_tour", "06_capstone"))  # rank 0
     rec = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in SMALL}
     labs = dict(zip(SMALL, ("00_cluster_tour", "01_parallelism_choice", "02_oom_batch", "03_unoverlapped_comms",
                             "04_imbalanced_pipeline", "05_unprofiled_run", "06_capstone")))
@@ -85,22 +93,16 @@ def test_every_lab_runs_under_torchrun_and_writes_its_records(tmp_path):
     assert cap["peak_mib"]["fixed"] <= cap["peak_mib"]["memory"] and cap["job_fixed"]["global_batch"] == 16
 
 
-def test_torchrun_dash_m_runs_a_lab_module(tmp_path):
-    proc = _torchrun("-m", "labkit.experiments.cluster_tour", *_argv("cluster_tour", tmp_path), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = json.loads((tmp_path / "cluster_tour.json").read_text())
-    _check_common(rec, "00_cluster_tour", torchrun=True)
-    assert proc.stdout.count("lab 00_cluster_tour: before") == 1  # rank 0 alone reports
+def test_without_torchrun_a_lab_script_runs_on_the_emulated_cluster(tmp_path, capsys):
+    from labkit.experiments import cluster_tour
 
-
-def test_plain_python_runs_a_lab_on_the_emulated_cluster(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "labkit.experiments.cluster_tour", "--cluster", "cpu",
-                           *_argv("cluster_tour", tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cluster_tour.main(["--cluster", "cpu", *_argv("cluster_tour", tmp_path)]) == 0  # launch starts the ranks
     rec = json.loads((tmp_path / "cluster_tour.json").read_text())
     _check_common(rec, "00_cluster_tour", torchrun=False)
     assert rec["emulated"] is True and rec["where"] == "emulated" and rec["limit"] > 0
-    assert "labkit-record {\"key\": \"before\"" in proc.stdout  # read_records reads these from a notebook cell
+    out = capsys.readouterr().out
+    assert 'labkit-record {"key": "before"' in out  # read_records reads these lines from a notebook cell
+    assert out.count("lab 00_cluster_tour: before") == 1
 
 
 def test_an_unknown_parameter_is_refused_with_the_list(capsys):
