@@ -135,3 +135,33 @@ def test_a_parameter_the_lab_cannot_run_with_ends_with_its_fix(capsys):
     assert "lab 06_capstone: world_size=1: the capstone is a data-parallel job; use 2 or more" in capsys.readouterr().err
     assert cluster_tour.main(["--world-size", "1"]) == 2
     assert "use --world-size 2, or torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+def test_two_nodes_under_torchrun_count_the_bytes_that_cross_between_them(tmp_path):
+    """`torchrun --nnodes 2` on one host (two torchrun agents meeting at a c10d rendezvous), one rank each: the
+    records know the two nodes, and lab 01's tensor-parallel mistake sends its all-reduces over the link between."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+         str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+         "-m", "labkit.experiments.parallelism_choice", *_argv("parallelism_choice", tmp_path)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    try:
+        outs = [a.communicate(timeout=180)[0] for a in agents]
+    finally:  # a hung agent: SIGTERM first, which torchrun passes on to its worker, so no rank is left behind
+        for a in agents:
+            if a.poll() is None:
+                a.terminate()
+                try:
+                    a.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+    assert [a.returncode for a in agents] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    rec = json.loads((tmp_path / "parallelism_choice.json").read_text())
+    assert rec["nodes"] == 2 and "2 processes on 2 node(s)" in rec["where"]
+    sweep = {r["layout"]: r for r in rec["sweep"]}
+    assert sweep["dp1 x tp2 x pp1"]["inter_MiB"] > 0 and sweep["dp1 x tp2 x pp1"]["intra_MiB"] == 0

@@ -14,6 +14,7 @@ model for the planner (`labkit.planner.Rates`).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,7 @@ from labkit import runtime
 from labkit.cluster import Cluster
 from labkit.experiments.common import rank_rows, seeded_model
 from labkit.experiments.script import Where, emulated_cluster, run_lab
-from labkit.links import bus_bandwidth_factor
+from labkit.links import Link, Topology, bus_bandwidth_factor
 from labkit.models import GPTConfig, synthetic_batch
 from labkit.parallel.layout import Layout, make_groups
 from labkit.parallel.pipeline import clock_stages, even_split, make_schedule, pipeline_stages
@@ -110,8 +111,12 @@ def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_bat
         module, params, schedule = model, list(model.parameters()), None
     opt = torch.optim.Adam(params, lr=lr)
     cluster = runtime.current_cluster()
-    topo = cluster.topology() if cluster else None
-    crossed = layout.links_crossed(topo) if topo else {}
+    if cluster is not None:
+        topo = cluster.topology()
+    else:  # a torchrun rank: its node holds LOCAL_WORLD_SIZE ranks; only which node a rank is on matters here
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        topo = Topology(max(1, per_node), Link(1.0, 0.0, "not modelled"), Link(1.0, 0.0, "not modelled"))
+    crossed = layout.links_crossed(topo)
     result = LayoutRankResult(dist.get_rank(), str(layout), c, [], {"intra": 0, "inter": 0},
                               {"tp": 0, "pp": 0, "dp": 0}, sum(p.numel() for p in params),
                               label=cluster.label if cluster else "")

@@ -78,9 +78,10 @@ def where(cluster: str, world_size: int) -> Where:
                              + ("" if gpu else f"; this machine has no GPU for gpu (torch {torch.__version__})"))
         n = int(os.environ["WORLD_SIZE"])
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", n))
-        label = (f"measured on GPU, torchrun: {n} ranks, {per_node} per node, NCCL" if gpu else
-                 f"torchrun on CPU: {n} processes over gloo, wall clock; no GPU, no link model")
-        return Where(n, "auto", max(1, n // per_node), per_node, True, gpu, label)
+        nodes = max(1, n // per_node)
+        label = (f"measured on GPU, torchrun: {n} ranks on {nodes} node(s), NCCL" if gpu else
+                 f"torchrun on CPU: {n} processes on {nodes} node(s) over gloo, wall clock; no GPU, no link model")
+        return Where(n, "auto", nodes, per_node, True, gpu, label)
     resolved = Cluster.resolve(cluster, world_size)
     return Where(world_size, resolved, 1, world_size, False, not resolved.is_emulated, resolved.label)
 
