@@ -314,13 +314,12 @@ def headline(w: Where, memory_mib: float, global_batch: int, n_layers: int, d_mo
     config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len)
     per_rank = global_batch // w.world_size
     accumulation_steps(global_batch, per_rank, w.world_size)  # a ValueError with the fix if the batch does not split
-    fits = [m for m in range(per_rank, 0, -1) if per_rank % m == 0 and estimate(
-        model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True).peak
-        <= memory_mib * _MIB]
-    if not fits:
+    estimates = {m: estimate(model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True)
+                 for m in range(per_rank, 0, -1) if per_rank % m == 0}  # largest first
+    micro = next((m for m, e in estimates.items() if e.peak <= memory_mib * _MIB), None)
+    if micro is None:
         raise ValueError(f"not even a micro-batch of 1 fits memory_mib={memory_mib} with autocast and checkpointing; "
                          "raise --set memory_mib or shrink the model (--set n_layers 2)")
-    micro = fits[0]
     counting, limited = w.cluster, w.cluster
     if w.emulated:  # a budget too large to hit only counts; the lab's budget enforces
         counting, limited = replace(w.cluster, memory_gib=1024), replace(w.cluster, memory_gib=memory_mib / 1024)
@@ -329,14 +328,13 @@ def headline(w: Where, memory_mib: float, global_batch: int, n_layers: int, d_mo
     after = w.launch(dp_train, config, global_batch, micro, precision="autocast", checkpointing=True,
                      bucket_cap_mb=bucket_cap_mb, timeout_s=timeout_s, cluster=limited)
     before_mib, after_mib = max(r.peak_mib for r in before), max(r.peak_mib for r in after)
-    est = estimate(model=config, precision="autocast", checkpointing=True, micro_batch=micro, keep_grads=True)
     return {
         "before": before_mib, "after": after_mib, "limit": float(memory_mib), "unit": "MiB",
         "meaning": {"before": "peak memory per rank of the step as first written (the whole per-rank batch, fp32)",
                     "after": f"peak with micro-batch {micro} under no_sync accumulation, bf16 autocast, checkpointing",
                     "limit": "the memory each rank has" + ("" if w.emulated else " (compared here, not enforced)")},
         "metric": f"peak memory per rank at global batch {global_batch}: as first written vs with the fixes",
-        "micro_batch_after": micro, "estimate_after_mib": est.peak / _MIB, "peak_source": after[0].peak_source,
+        "micro_batch_after": micro, "estimate_after_mib": estimates[micro].peak / _MIB, "peak_source": after[0].peak_source,
         "allreduces_per_step": after[0].allreduce_calls, "ddp_buckets": after[0].buckets,
         "fits": after_mib <= memory_mib < before_mib,
     }
