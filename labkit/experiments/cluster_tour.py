@@ -36,7 +36,7 @@ def headline(w: Where, sizes_kib: list[float], iters: int, timeout_s: float) -> 
     elif w.on_gpu and w.nodes == 1:
         from labkit.gpu_links import LIMIT_MEANING
 
-        link = Cluster.detect().intra_node
+        link = (w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()).intra_node  # torchrun: detect
         limit, why = link.bandwidth_gb_s, f"{link.name}: {LIMIT_MEANING}"
     else:
         limit = None
