@@ -73,7 +73,7 @@ def _check_records(name: str, rec: dict) -> None:
         assert rec["max_abs_diff"] < 1e-5
     elif name == "05_unprofiled_run":
         assert rec["emulated"] is True and rec["unit"] == "ms"
-        assert rec["limit"] <= rec["after"] * 1.1 and rec["after"] < rec["before"]
+        assert rec["limit"] <= rec["after"] * 1.25 and rec["after"] < rec["before"]  # identical jobs: +-13 %
         assert rec["diagnosed"] == rec["planted"]
         assert {r["planted"]: r["diagnosed"] for r in rec["gallery"]} == {
             k: k for k in ("straggler", "data_loading", "small_collectives", "sync_collective")}

@@ -127,8 +127,8 @@ class _Job:
             passes = tokenizer_passes(self.model, config, batch_size, seed, dev)
         data = SequenceDataset(config, batch_size * batches, seed * 1000 + self.rank,
                                passes if bottleneck == "data_loading" else 0)
-        if bottleneck == "data_loading" and fixed:
-            data.prepare()  # before training: in no step
+        if bottleneck != "data_loading" or fixed:
+            data.prepare()  # before training, in no step; the clean job too, so that the fix can reach it exactly
         self.batches = iter(torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=0))
         # the straggler's held-out batch: 4 x the training batch, forward only, about as much work as a step.
         # (3 x measured 1.58-1.77x the other ranks' compute over six launches, too near diagnose's 1.5x: one CI
