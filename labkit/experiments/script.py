@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from labkit import torchrun
 from labkit.cluster import Cluster
 from labkit.course.records import record
@@ -63,14 +65,16 @@ class Where:
 
     def rank(self) -> int:
         """This process's rank under torchrun (0 in a plain script: it is the parent of the ranks)."""
-        return int(os.environ.get("RANK", "0")) if self.torchrun else 0
+        return _rank()
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"]) if torchrun.under_torchrun() else 0
 
 
 def where(cluster: str, world_size: int) -> Where:
     """The ranks a script runs on: torchrun's when torchrun started it, else `world_size` ranks of `cluster`."""
     if torchrun.under_torchrun():
-        import torch
-
         torchrun.check_cluster(cluster)  # refuses the emulated cluster with the fix
         gpu = torch.cuda.is_available()
         if cluster not in ("auto", "gpu") or (cluster == "gpu" and not gpu):
@@ -91,7 +95,6 @@ def emulated_cluster(w: Where, **options: Any) -> Where:
     if not w.emulated:
         return w
     assert isinstance(w.cluster, Cluster)
-    options.setdefault("gpus_per_node", w.gpus_per_node)
     cluster = replace(Cluster.emulated(**options), reason=w.cluster.reason)
     return replace(w, cluster=cluster, world_size=cluster.world_size, nodes=cluster.nodes,
                    gpus_per_node=cluster.gpus_per_node)
@@ -125,7 +128,7 @@ def run_lab(lab: str, headline: Callable[..., dict[str, Any]], defaults: dict[st
             argv: list[str] | None = None) -> int:
     """Parse the command line, run `headline(where, **params)`, print and write its records on rank 0."""
     args, params = _parse(argv, lab, defaults)
-    talk = int(os.environ.get("RANK", "0")) == 0 or not torchrun.under_torchrun()
+    talk = _rank() == 0
     t0 = time.perf_counter()
     try:
         w = where(args.cluster, args.world_size)
