@@ -38,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s * 2**20) for s in args.sizes_mib]
     rows = launch(bandwidth_test, sizes, iters=args.iters, world_size=args.world_size, cluster=cluster)[0]
 
-    print(f"emulated link {link.bandwidth_gb_s} GB/s, {link.latency_us} µs, {args.world_size} ranks, "
-          f"{args.iters} back to back (emulated, wall clock)")
+    print(
+        f"emulated link {link.bandwidth_gb_s} GB/s, {link.latency_us} µs, {args.world_size} ranks, "
+        f"{args.iters} back to back (emulated, wall clock)"
+    )
     print(f"{'size':>10} {'measured ms':>12} {'model ms':>9} {'ratio':>6}")
     slow = []
     for row in rows:

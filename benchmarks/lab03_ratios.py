@@ -33,21 +33,31 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     ratios: dict[str, list[float]] = {k: [] for k in TARGETS}
-    print(f"{'run':>3} {'before ms':>10} {'after ms':>9} {'limit ms':>9} {'after/before':>13} {'after/limit':>12} {'s':>5}")
+    print(
+        f"{'run':>3} {'before ms':>10} {'after ms':>9} {'limit ms':>9} {'after/before':>13} {'after/limit':>12} {'s':>5}"
+    )
     with tempfile.TemporaryDirectory(prefix="labkit-bench-") as tmp:
         for i in range(1, args.runs + 1):
             out = Path(tmp) / f"run{i}" / NOTEBOOK.name
             out.parent.mkdir()
             t0 = time.perf_counter()
-            papermill.execute_notebook(str(NOTEBOOK), str(out), parameters={"cluster": args.cluster},
-                                       cwd=str(out.parent), kernel_name="python3", progress_bar=False)
+            papermill.execute_notebook(
+                str(NOTEBOOK),
+                str(out),
+                parameters={"cluster": args.cluster},
+                cwd=str(out.parent),
+                kernel_name="python3",
+                progress_bar=False,
+            )
             rec = read_records(out)
             ratios["after/before"].append(rec["after"] / rec["before"])
             ratios["after/limit"].append(rec["after"] / rec["limit"])
             world = "emulated" if rec.get("emulated") else "real GPUs"
-            print(f"{i:3} {rec['before']:10.1f} {rec['after']:9.1f} {rec['limit']:9.1f} "
-                  f"{ratios['after/before'][-1]:13.2f} {ratios['after/limit'][-1]:12.2f} "
-                  f"{time.perf_counter() - t0:5.0f}  ({world})")
+            print(
+                f"{i:3} {rec['before']:10.1f} {rec['after']:9.1f} {rec['limit']:9.1f} "
+                f"{ratios['after/before'][-1]:13.2f} {ratios['after/limit'][-1]:12.2f} "
+                f"{time.perf_counter() - t0:5.0f}  ({world})"
+            )
     missed = []
     for key, target in TARGETS.items():
         med = statistics.median(ratios[key])

@@ -41,9 +41,19 @@ def _spin(stop: float) -> None:
 
 
 def _lab03(cluster: labkit.Cluster) -> tuple[float, float, float]:
-    runs = labkit.launch(train_steps, ["compute", "naive", "comm_overlapped", "overlapped"], LAB03, 12,
-                         steps=5, warmup=1, bucket_cap_mb=0.5, check=False, world_size=2, cluster=cluster,
-                         timeout_s=120)
+    runs = labkit.launch(
+        train_steps,
+        ["compute", "naive", "comm_overlapped", "overlapped"],
+        LAB03,
+        12,
+        steps=5,
+        warmup=1,
+        bucket_cap_mb=0.5,
+        check=False,
+        world_size=2,
+        cluster=cluster,
+        timeout_s=120,
+    )
     s = summarize_steps(runs)
     after, before = s["overlapped"]["ms"], s["naive"]["ms"]
     compute = s["overlapped"]["compute_ms"] or s["compute"]["ms"]  # lab 03's limit: the step's own compute
@@ -77,9 +87,11 @@ def stability(runs: int, loaded: bool) -> dict[str, float]:
     out = {"after/before": _spread([r[0] for r in lab03]), "after/limit": _spread([r[1] for r in lab03])}
     for i, size in enumerate(SIZES):
         out[f"busbw {size >> 10} KiB"] = _spread([r[i] for r in lab00])
-    print(f"\n{'loaded' if loaded else 'idle'}: lab 03 after/before {[round(r[0], 3) for r in lab03]}, "
-          f"after/limit {[round(r[1], 3) for r in lab03]}; lab 00 time/model per size "
-          f"{[[round(v, 3) for v in r] for r in lab00]}")
+    print(
+        f"\n{'loaded' if loaded else 'idle'}: lab 03 after/before {[round(r[0], 3) for r in lab03]}, "
+        f"after/limit {[round(r[1], 3) for r in lab03]}; lab 00 time/model per size "
+        f"{[[round(v, 3) for v in r] for r in lab00]}"
+    )
     for k, v in out.items():
         print(f"  spread of {k:>18}: {v:6.1%}")
     return out
@@ -114,15 +126,28 @@ def scaling(per_rank: int = 32, pairs: int = 3) -> float:
     """
     ratios, wall = [], []
     for _ in range(pairs):
-        two = max(labkit.launch(_ddp_step, 2, per_rank, world_size=2,
-                                cluster=labkit.Cluster.emulated(gpus_per_node=2)))
+        two = max(
+            labkit.launch(
+                _ddp_step, 2, per_rank, world_size=2, cluster=labkit.Cluster.emulated(gpus_per_node=2)
+            )
+        )
         t0 = time.perf_counter()
-        eight = max(labkit.launch(_ddp_step, 8, per_rank, world_size=8,
-                                  cluster=labkit.Cluster.emulated(gpus_per_node=8), timeout_s=300))
+        eight = max(
+            labkit.launch(
+                _ddp_step,
+                8,
+                per_rank,
+                world_size=8,
+                cluster=labkit.Cluster.emulated(gpus_per_node=8),
+                timeout_s=300,
+            )
+        )
         wall.append(time.perf_counter() - t0)
         ratios.append(eight / two)
-        print(f"  DDP step, {per_rank} sequences per rank: 2 ranks {two * 1e3:.1f} ms, 8 ranks {eight * 1e3:.1f} ms "
-              f"(virtual; the 8-rank launch took {wall[-1]:.0f} s of wall time), ratio {eight / two:.2f}")
+        print(
+            f"  DDP step, {per_rank} sequences per rank: 2 ranks {two * 1e3:.1f} ms, 8 ranks {eight * 1e3:.1f} ms "
+            f"(virtual; the 8-rank launch took {wall[-1]:.0f} s of wall time), ratio {eight / two:.2f}"
+        )
     ratio = statistics.median(ratios)
     print(f"\n8 ranks vs 2 ranks on 2 cores: median ratio {ratio:.2f} over {pairs} alternating pairs")
     return abs(ratio - 1)
@@ -136,8 +161,10 @@ def overhead() -> float:
         _lab03(cluster)
         walls[clock] = time.perf_counter() - t0
     extra = walls["virtual"] / walls["wall"] - 1
-    print(f"\nlab 03 measurement wall time: virtual clock {walls['virtual']:.1f} s, wall clock {walls['wall']:.1f} s "
-          f"({extra:+.0%})")
+    print(
+        f"\nlab 03 measurement wall time: virtual clock {walls['virtual']:.1f} s, wall clock {walls['wall']:.1f} s "
+        f"({extra:+.0%})"
+    )
     return extra
 
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 # Imported by torch itself at start-up, so these cost nothing here.
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 __all__ = [
     "INTERNALS",
@@ -38,12 +38,12 @@ __all__ = [
     "fake_tensor_mode",
     "graph_task_id",
     "in_backward",
-    "queue_backward_callback",
     "problems",
     "process_groups",
+    "queue_backward_callback",
+    "reduce_scatter_base",
     "removing_module_grad_hooks",
     "set_cuda_allocator_settings",
-    "reduce_scatter_base",
     "step_mem_tracker",
     "tree_leaves",
     "tree_map",
@@ -67,45 +67,98 @@ class Internal:
 
 
 INTERNALS: tuple[Internal, ...] = (
-    Internal("torch.utils._pytree", "tree_map", "launch: move the tensors in a rank's result to the CPU",
-             ("func", "tree")),
-    Internal("torch.utils._pytree", "tree_leaves", "emulate.budget: every tensor an operator returned",
-             ("tree",)),
-    Internal("torch.utils._python_dispatch", "TorchDispatchMode",
-             "emulate.budget: see the outputs of every operator to count their bytes"),
-    Internal("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack",
-             "emulate.budget: find the memory budget active on this thread"),
-    Internal("torch._subclasses.fake_tensor", "FakeTensorMode",
-             "measure.estimate_fake: run a step of a model too large to allocate"),
-    Internal("torch.distributed._tools.mem_tracker", "MemTracker",
-             "measure.measure: bytes per category (parameters, gradients, optimizer, activations)"),
-    Internal("torch.distributed._tools.mem_tracker", "_TOTAL_KEY", "measure.measure: the total of a snapshot"),
-    Internal("torch.distributed._tools.mem_tracker", "MemTracker._pre_fw_hook",
-             "measure.measure: allow several forwards in one step (gradient accumulation)",
-             ("self", "module", "inputs")),
-    Internal("torch.distributed._tools.mem_tracker", "MemTracker._update_peak_stats",
-             "measure.measure: update only the global peak (per-module peaks make big models slow)",
-             ("self", "peak_state")),
-    Internal("torch.distributed._tools.mem_tracker", "MemTracker.reset_mod_stats",
-             "measure.measure: clear per-module stats before a second forward", ("self",)),
-    Internal("torch.distributed._tools.mod_tracker", "register_multi_grad_hook",
-             "measure.measure: remove the hooks ModTracker leaves on module inputs (they leak)",
-             ("tensors", "fn")),
-    Internal("torch.distributed.distributed_c10d", "_world.pg_map",
-             "emulate: find this process's emulated groups to close them before exit"),
+    Internal(
+        "torch.utils._pytree",
+        "tree_map",
+        "launch: move the tensors in a rank's result to the CPU",
+        ("func", "tree"),
+    ),
+    Internal(
+        "torch.utils._pytree", "tree_leaves", "emulate.budget: every tensor an operator returned", ("tree",)
+    ),
+    Internal(
+        "torch.utils._python_dispatch",
+        "TorchDispatchMode",
+        "emulate.budget: see the outputs of every operator to count their bytes",
+    ),
+    Internal(
+        "torch.utils._python_dispatch",
+        "_get_current_dispatch_mode_stack",
+        "emulate.budget: find the memory budget active on this thread",
+    ),
+    Internal(
+        "torch._subclasses.fake_tensor",
+        "FakeTensorMode",
+        "measure.estimate_fake: run a step of a model too large to allocate",
+    ),
+    Internal(
+        "torch.distributed._tools.mem_tracker",
+        "MemTracker",
+        "measure.measure: bytes per category (parameters, gradients, optimizer, activations)",
+    ),
+    Internal(
+        "torch.distributed._tools.mem_tracker", "_TOTAL_KEY", "measure.measure: the total of a snapshot"
+    ),
+    Internal(
+        "torch.distributed._tools.mem_tracker",
+        "MemTracker._pre_fw_hook",
+        "measure.measure: allow several forwards in one step (gradient accumulation)",
+        ("self", "module", "inputs"),
+    ),
+    Internal(
+        "torch.distributed._tools.mem_tracker",
+        "MemTracker._update_peak_stats",
+        "measure.measure: update only the global peak (per-module peaks make big models slow)",
+        ("self", "peak_state"),
+    ),
+    Internal(
+        "torch.distributed._tools.mem_tracker",
+        "MemTracker.reset_mod_stats",
+        "measure.measure: clear per-module stats before a second forward",
+        ("self",),
+    ),
+    Internal(
+        "torch.distributed._tools.mod_tracker",
+        "register_multi_grad_hook",
+        "measure.measure: remove the hooks ModTracker leaves on module inputs (they leak)",
+        ("tensors", "fn"),
+    ),
+    Internal(
+        "torch.distributed.distributed_c10d",
+        "_world.pg_map",
+        "emulate: find this process's emulated groups to close them before exit",
+    ),
     Internal("torch.distributed", "Backend._plugins", "emulate: register the emulated backend once"),
-    Internal("torch._C", "_current_graph_task_id",
-             "emulate.timing: is this thread inside backward (where DDP's reducer waits in C++)?"),
-    Internal("torch.autograd", "Variable._execution_engine.queue_callback",
-             "emulate.timing: run a callback when the current backward ends"),
-    Internal("torch.distributed", "ProcessGroupGloo._allgather_base",
-             "emulate: all_gather_into_tensor on the wrapped gloo group"),
-    Internal("torch.distributed", "ProcessGroupGloo._reduce_scatter_base",
-             "emulate: reduce_scatter_tensor on the wrapped gloo group"),
-    Internal("torch.cuda.memory", "_set_allocator_settings",
-             "experiments.fragmentation: PYTORCH_CUDA_ALLOC_CONF options after CUDA has started", ("env",)),
+    Internal(
+        "torch._C",
+        "_current_graph_task_id",
+        "emulate.timing: is this thread inside backward (where DDP's reducer waits in C++)?",
+    ),
+    Internal(
+        "torch.autograd",
+        "Variable._execution_engine.queue_callback",
+        "emulate.timing: run a callback when the current backward ends",
+    ),
+    Internal(
+        "torch.distributed",
+        "ProcessGroupGloo._allgather_base",
+        "emulate: all_gather_into_tensor on the wrapped gloo group",
+    ),
+    Internal(
+        "torch.distributed",
+        "ProcessGroupGloo._reduce_scatter_base",
+        "emulate: reduce_scatter_tensor on the wrapped gloo group",
+    ),
+    Internal(
+        "torch.cuda.memory",
+        "_set_allocator_settings",
+        "experiments.fragmentation: PYTORCH_CUDA_ALLOC_CONF options after CUDA has started",
+        ("env",),
+    ),
     *(
-        Internal("torch.distributed", f"ProcessGroup.{name}", f"emulate: EmulatedProcessGroup overrides {name}")
+        Internal(
+            "torch.distributed", f"ProcessGroup.{name}", f"emulate: EmulatedProcessGroup overrides {name}"
+        )
         for name in ("_allgather_base", "_reduce_scatter_base", "_set_group_name", "_get_backend")
     ),
 )

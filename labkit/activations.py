@@ -37,8 +37,13 @@ def korthikanti_activation_bytes(
 
     Embeddings, the output layer and the loss are not included, as in the paper's table.
     """
-    for name, value in [("seq_len", seq_len), ("micro_batch", micro_batch),
-                        ("d_model", d_model), ("n_heads", n_heads), ("n_layers", n_layers)]:
+    for name, value in [
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+        ("d_model", d_model),
+        ("n_heads", n_heads),
+        ("n_layers", n_layers),
+    ]:
         validate.positive_int(name, value)
     validate.positive_int("tp", tp)
     s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
@@ -65,8 +70,9 @@ class GPTActivations:
     first_block_share: float  # share of the parameters in embeddings + first block
 
 
-def gpt_activations(config: GPTConfig, micro_batch: int, seq_len: int, precision: str,
-                    tp: int = 1) -> GPTActivations:
+def gpt_activations(
+    config: GPTConfig, micro_batch: int, seq_len: int, precision: str, tp: int = 1
+) -> GPTActivations:
     """The pieces of what `labkit.models.GPT` saves for backward (see `memory.gpt_activation_bytes`)."""
     h, f, v = config.d_model, config.ffn_dim, config.vocab_size
     kv_dim = config.kv_heads * config.head_dim
@@ -83,7 +89,8 @@ def gpt_activations(config: GPTConfig, micro_batch: int, seq_len: int, precision
     # outputs stay whole on every rank (Korthikanti et al. 2022, section 4.2.1: 10 + 24/t).
     per_block = tokens * (
         2 * h * resid  # block input (saved by ln_1) and mid-block residual (saved by ln_2)
-        + 2 * h * act + (qkv + h + 2 * f) * act // tp  # ln outputs, q/k/v, attention output, fc, GELU
+        + 2 * h * act
+        + (qkv + h + 2 * f) * act // tp  # ln outputs, q/k/v, attention output, fc, GELU
         + (4 + config.n_heads // tp) * 4  # fp32 LayerNorm mean/rstd (2 x 2) and attention logsumexp
     )
     head = tokens * (h * resid + h * act + 2 * 4 + v * softmax)

@@ -20,7 +20,9 @@ from labkit.links import bus_bandwidth_factor
 __all__ = ["bandwidth_test"]
 
 
-def _start(op: str, full: torch.Tensor, shard: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> Any:
+def _start(
+    op: str, full: torch.Tensor, shard: torch.Tensor, src: int, group: dist.ProcessGroup | None
+) -> Any:
     """Start one asynchronous collective; `full` is the nccl-tests "size" buffer, `shard` is full / n."""
     if op == "all_reduce":
         return dist.all_reduce(full, group=group, async_op=True)
@@ -31,8 +33,9 @@ def _start(op: str, full: torch.Tensor, shard: torch.Tensor, src: int, group: di
     return dist.broadcast(full, src=src, group=group, async_op=True)
 
 
-def _run(op: str, count: int, full: torch.Tensor, shard: torch.Tensor, src: int,
-         group: dist.ProcessGroup | None) -> float:
+def _run(
+    op: str, count: int, full: torch.Tensor, shard: torch.Tensor, src: int, group: dist.ProcessGroup | None
+) -> float:
     """Seconds per collective of `count` launched back to back, as nccl-tests times them.
 
     nccl-tests launches its iterations one after another and waits once at the end, so the

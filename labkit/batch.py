@@ -21,8 +21,11 @@ def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> 
     global batch does not divide into micro-batches over the ranks (the optimizer would then
     see a different batch than the one asked for).
     """
-    for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch),
-                        ("world_size", world_size)):
+    for name, value in (
+        ("global_batch", global_batch),
+        ("micro_batch", micro_batch),
+        ("world_size", world_size),
+    ):
         validate.positive_int(name, value)
     per_step = micro_batch * world_size
     if global_batch % per_step == 0:
@@ -30,18 +33,26 @@ def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> 
     if global_batch % world_size == 0:
         per_rank = global_batch // world_size
         divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-        fix = (f"use a micro_batch that divides global_batch / world_size = {per_rank}: "
-               f"{', '.join(map(str, divisors))}")
+        fix = (
+            f"use a micro_batch that divides global_batch / world_size = {per_rank}: "
+            f"{', '.join(map(str, divisors))}"
+        )
     else:
         lower = global_batch // per_step * per_step
-        fix = (f"use global_batch={lower or per_step} or {lower + per_step} "
-               f"(a multiple of {per_step}), or another micro_batch")
+        fix = (
+            f"use global_batch={lower or per_step} or {lower + per_step} "
+            f"(a multiple of {per_step}), or another micro_batch"
+        )
     if per_step > global_batch:
-        problem = (f"micro_batch({micro_batch}) x world_size({world_size}) = {per_step} "
-                   f"> global_batch({global_batch})")
+        problem = (
+            f"micro_batch({micro_batch}) x world_size({world_size}) = {per_step} "
+            f"> global_batch({global_batch})"
+        )
     else:
-        problem = (f"global_batch({global_batch}) is not divisible by micro_batch({micro_batch}) "
-                   f"x world_size({world_size}) = {per_step}")
+        problem = (
+            f"global_batch({global_batch}) is not divisible by micro_batch({micro_batch}) "
+            f"x world_size({world_size}) = {per_step}"
+        )
     raise ValueError(f"{problem}; every rank must run the same whole number of micro-steps: {fix}")
 
 

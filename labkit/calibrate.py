@@ -41,7 +41,9 @@ class Calibration:
     machine: str
 
     def describe(self) -> str:
-        where = {"measured": "measured now", "cache": f"cached in {cache_path()}"}.get(self.source, f"${self.source}")
+        where = {"measured": "measured now", "cache": f"cached in {cache_path()}"}.get(
+            self.source, f"${self.source}"
+        )
         return f"{self.gflops:.1f} GFLOP/s per core (fp32 matmul, one thread; {where}; {self.machine})"
 
     def to_dict(self) -> dict:
@@ -105,7 +107,7 @@ def _write_cache(key: str, gflops: float) -> None:
         pass  # a read-only home: the figure still holds for this process
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_calibration() -> Calibration:
     key = machine_key()
     raw = os.environ.get(ENV)

@@ -1,10 +1,10 @@
 """`labkit doctor | run | build | report`: the course from a terminal or CI.
 
-    labkit doctor                      what this machine is, and a 2-rank smoke test
-    labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs] [-p KEY VALUE]
-                                       execute the solution notebooks, write the report
-    labkit build [--check]             write labs/ from solutions/ (or check it is current)
-    labkit report RUN_DIR              rewrite the report of an earlier run
+labkit doctor                      what this machine is, and a 2-rank smoke test
+labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs] [-p KEY VALUE]
+                                   execute the solution notebooks, write the report
+labkit build [--check]             write labs/ from solutions/ (or check it is current)
+labkit report RUN_DIR              rewrite the report of an earlier run
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def doctor(args: argparse.Namespace) -> int:
     from labkit.cluster import Cluster
     from labkit.launcher import launch
 
-    print(f"python    {platform.python_version()} on {platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores")
+    print(
+        f"python    {platform.python_version()} on {platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
+    )
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         print(f"memory    {mem:.1f} GiB")
@@ -92,11 +94,19 @@ def doctor(args: argparse.Namespace) -> int:
         print("verdict: NOT READY - the all-reduce returned a wrong sum.")
         return EXIT_FAILED
     if cluster.is_emulated:
-        print("verdict: READY (emulated) - no usable GPUs, so labs run on CPU processes with modelled links; "
-              "every number they print is labelled emulated.")
+        print(
+            "verdict: READY (emulated) - no usable GPUs, so labs run on CPU processes with modelled links; "
+            "every number they print is labelled emulated."
+        )
     else:
-        one = (" Labs that need several ranks run them on the emulated cluster (cluster='auto' picks it), single-GPU "
-               "parts (memory, profiling, one-rank runs) use this GPU.") if cluster.gpu_count == 1 else ""
+        one = (
+            (
+                " Labs that need several ranks run them on the emulated cluster (cluster='auto' picks it), single-GPU "
+                "parts (memory, profiling, one-rank runs) use this GPU."
+            )
+            if cluster.gpu_count == 1
+            else ""
+        )
         print(f"verdict: READY (GPU) - {cluster.gpu_count} GPU(s) on NCCL.{one}")
     return 0
 
@@ -134,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
     root = _root(args.root)
     solutions = root / "solutions"
     if not solutions.is_dir():
-        print(f"labkit run: no solutions/ folder in {root}; run from the course checkout or pass --root.", file=sys.stderr)
+        print(
+            f"labkit run: no solutions/ folder in {root}; run from the course checkout or pass --root.",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     notebooks = _select(solutions, args.lab)
     from labkit.course.runs import new_run_dir, point_latest, run_context
@@ -196,11 +209,15 @@ def report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     previous = run_dir / "report.json"
     if not previous.exists():
-        print(f"labkit report: {previous} not found; run `labkit run --out {run_dir}` first.", file=sys.stderr)
+        print(
+            f"labkit report: {previous} not found; run `labkit run --out {run_dir}` first.", file=sys.stderr
+        )
         return EXIT_USAGE
     data = json.loads(previous.read_text())
     results = data.get("labs", data) if isinstance(data, dict) else data
-    json_path, md_path = write_report(run_dir, results, context=data.get("context") if isinstance(data, dict) else None)
+    json_path, md_path = write_report(
+        run_dir, results, context=data.get("context") if isinstance(data, dict) else None
+    )
     print(f"report: {md_path}")
     return 0
 
@@ -267,23 +284,40 @@ def grade(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit", description="Multi-GPU Mistakes Lab tools")
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    cluster_help = "auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; gpu: NCCL"
+    cluster_help = (
+        "auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; gpu: NCCL"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("doctor", help="hardware, backend, versions and a 2-rank smoke test", formatter_class=fmt)
+    p = sub.add_parser(
+        "doctor", help="hardware, backend, versions and a 2-rank smoke test", formatter_class=fmt
+    )
     p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=cluster_help)
-    p.add_argument("--recalibrate", action="store_true",
-                   help="measure this CPU's GFLOP/s again (the emulated links' scale) and update the cache")
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure this CPU's GFLOP/s again (the emulated links' scale) and update the cache",
+    )
     p.set_defaults(func=doctor)
 
-    p = sub.add_parser("run", help="execute the solution notebooks with papermill and write a report",
-                       formatter_class=fmt)
+    p = sub.add_parser(
+        "run", help="execute the solution notebooks with papermill and write a report", formatter_class=fmt
+    )
     p.add_argument("--lab", help="only this lab, by number (e.g. 00)")
     p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=cluster_help)
-    p.add_argument("--out", default="runs",
-                   help="each run writes OUT/<date-time>/ (notebooks, figures, report); OUT/latest points to the newest")
-    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                   help="notebook parameter (JSON value or a bare word), repeatable")
+    p.add_argument(
+        "--out",
+        default="runs",
+        help="each run writes OUT/<date-time>/ (notebooks, figures, report); OUT/latest points to the newest",
+    )
+    p.add_argument(
+        "-p",
+        "--param",
+        nargs=2,
+        action="append",
+        metavar=("KEY", "VALUE"),
+        help="notebook parameter (JSON value or a bare word), repeatable",
+    )
     p.add_argument("--cell-timeout", type=int, default=600, help="seconds one cell may run")
     p.add_argument("--kernel", default="python3", help="the Jupyter kernel papermill starts")
     p.add_argument("--root", help="course folder holding solutions/ (default: here or the checkout)")
@@ -292,23 +326,40 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("build", help="write labs/ from solutions/", formatter_class=fmt)
     p.add_argument("--check", action="store_true", help="fail when labs/ is stale instead of writing")
-    p.add_argument("--root", help="course folder holding solutions/ and labs/ (default: here or the checkout)")
+    p.add_argument(
+        "--root", help="course folder holding solutions/ and labs/ (default: here or the checkout)"
+    )
     p.set_defaults(func=build)
 
-    p = sub.add_parser("quiz", help="practice questions in the terminal (certification prep)", formatter_class=fmt)
-    p.add_argument("--topic", help="one topic: cluster, parallelism, memory, precision, communication, pipeline, "
-                                   "profiling (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="draws the numeric questions; the same seed, the same paper")
+    p = sub.add_parser(
+        "quiz", help="practice questions in the terminal (certification prep)", formatter_class=fmt
+    )
+    p.add_argument(
+        "--topic",
+        help="one topic: cluster, parallelism, memory, precision, communication, pipeline, "
+        "profiling (default: all)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="draws the numeric questions; the same seed, the same paper"
+    )
     p.add_argument("--exam", type=int, metavar="N", help="a timed mock exam of N questions over every topic")
     p.add_argument("--minutes", type=float, default=30.0, help="the mock exam's time limit")
     p.add_argument("--print", action="store_true", help="print the questions and the key instead of asking")
     p.set_defaults(func=quiz)
 
-    p = sub.add_parser("grade", help="run learners' lab notebooks and report which checks pass", formatter_class=fmt)
+    p = sub.add_parser(
+        "grade", help="run learners' lab notebooks and report which checks pass", formatter_class=fmt
+    )
     p.add_argument("folder", help="learners' notebooks: FOLDER/<learner>/<NN_lab>.ipynb")
     p.add_argument("--cluster", default="cpu", choices=["auto", "cpu", "gpu"], help=cluster_help)
-    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                   help="notebook parameter for every notebook (JSON value or a bare word), repeatable")
+    p.add_argument(
+        "-p",
+        "--param",
+        nargs=2,
+        action="append",
+        metavar=("KEY", "VALUE"),
+        help="notebook parameter for every notebook (JSON value or a bare word), repeatable",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds one cell may run")
     p.add_argument("--csv", help="also write the grades to this CSV file (learner, lab, check, status)")
     p.set_defaults(func=grade)

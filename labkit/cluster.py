@@ -61,19 +61,26 @@ class Cluster:
         inter_node: Link | None = None,
         memory_gib: float | None = None,
         clock: str = "virtual",
-    ) -> "Cluster":
+    ) -> Cluster:
         """A pretend cluster of CPU processes. Links default to this CPU's scaled figures.
 
         `memory_gib` is each rank's memory budget (None: no budget is enforced). `clock`:
         "virtual" (default) times every rank on its own emulated-GPU clock (`labkit.emulate.clock`),
         exact on a busy machine; "wall" times it on the wall clock, as it runs.
         """
-        validate.one_of("Cluster.emulated clock", clock, ("virtual", "wall"), "Cluster.emulated(clock='virtual')")
+        validate.one_of(
+            "Cluster.emulated clock", clock, ("virtual", "wall"), "Cluster.emulated(clock='virtual')"
+        )
         for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-            validate.positive_int(f"Cluster.emulated {name}", value, "Cluster.emulated(nodes=2, gpus_per_node=2)")
+            validate.positive_int(
+                f"Cluster.emulated {name}", value, "Cluster.emulated(nodes=2, gpus_per_node=2)"
+            )
         if memory_gib is not None:
-            validate.positive_number("Cluster.emulated memory_gib", memory_gib,
-                                     "memory_gib=0.25 for a 256 MiB budget per rank, or None for none")
+            validate.positive_number(
+                "Cluster.emulated memory_gib",
+                memory_gib,
+                "memory_gib=0.25 for a 256 MiB budget per rank, or None for none",
+            )
         gflops, source = None, ""
         if intra_node is None or inter_node is None:
             calibration = calibrate.cpu_gflops()
@@ -94,20 +101,22 @@ class Cluster:
         )
 
     @classmethod
-    def preset(cls, name: str, nodes: int = 1) -> "Cluster":
+    def preset(cls, name: str, nodes: int = 1) -> Cluster:
         """A published system, to plan for (`labkit.planner.plan`), never to run on.
 
         Known names: see `PRESETS` ("dgx-a100-80gb", "dgx-h100", "dgx-h200"); `nodes` of them.
         """
         if name not in PRESETS:
-            raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}. "
-                             "For another machine build Cluster(kind='described', nodes=..., gpus_per_node=..., "
-                             "intra_node=Link(...), inter_node=Link(...), memory_gib=..., peak_tflops=...)")
+            raise ValueError(
+                f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}. "
+                "For another machine build Cluster(kind='described', nodes=..., gpus_per_node=..., "
+                "intra_node=Link(...), inter_node=Link(...), memory_gib=..., peak_tflops=...)"
+            )
         validate.positive_int("Cluster.preset nodes", nodes, f'Cluster.preset("{name}", nodes=2)')
         return replace(PRESETS[name], nodes=nodes)
 
     @classmethod
-    def detect(cls) -> "Cluster":
+    def detect(cls) -> Cluster:
         """The GPUs of this machine (name, memory), their topology and NCCL version.
 
         With no GPU this returns a one-node cluster with no GPUs (`gpu_count == 0`).
@@ -136,14 +145,16 @@ class Cluster:
         )
 
     @classmethod
-    def resolve(cls, spec: "Cluster | str", world_size: int) -> "Cluster":
+    def resolve(cls, spec: Cluster | str, world_size: int) -> Cluster:
         """Turn `"auto" | "cpu" | "gpu" | Cluster` into a cluster able to hold `world_size` ranks.
 
         "auto" takes NCCL with one process per GPU when this machine has a GPU for every rank (one
         GPU is enough for one rank: memory, profiling and one-rank runs use it), else the emulated
         cluster; `reason` says which and why.
         """
-        validate.positive_int("world_size", world_size, "launch(fn, world_size=2), or labkit run -p world_size 2")
+        validate.positive_int(
+            "world_size", world_size, "launch(fn, world_size=2), or labkit run -p world_size 2"
+        )
         if isinstance(spec, Cluster):
             cluster = spec
             if cluster.kind == "described":
@@ -152,7 +163,8 @@ class Cluster:
                     "machine: nothing here can run on it. Plan for it with labkit.planner.plan(model, cluster, "
                     "global_batch); to run, use cluster='cpu' (the emulated cluster), e.g. "
                     f"Cluster.emulated(nodes={min(cluster.nodes, 2)}, gpus_per_node={min(cluster.gpus_per_node, 4)}), "
-                    "or cluster='gpu' on this machine's GPUs.")
+                    "or cluster='gpu' on this machine's GPUs."
+                )
         elif spec in ("cpu", "emulated"):
             cluster = replace(cls.emulated(gpus_per_node=world_size), reason="asked for the emulated cluster")
         elif spec in ("gpu", "auto"):
@@ -161,8 +173,11 @@ class Cluster:
             if spec == "gpu" or (n >= 1 and n >= world_size):
                 cluster = replace(real, reason=f"{n} GPU(s) found: NCCL, one process per GPU")
             else:
-                why = ("no GPU found" if n == 0 else
-                       f"{n} GPU(s) found, {world_size} ranks asked (a lab needing {world_size} ranks runs them here)")
+                why = (
+                    "no GPU found"
+                    if n == 0
+                    else f"{n} GPU(s) found, {world_size} ranks asked (a lab needing {world_size} ranks runs them here)"
+                )
                 cluster = replace(cls.emulated(gpus_per_node=world_size), reason=f"{why}: emulated cluster")
         else:
             raise ValueError(
@@ -221,11 +236,15 @@ class Cluster:
         """A few lines for a notebook or `labkit doctor`."""
         lines = []
         if self.kind == "described":
-            lines.append(f"Described cluster (planning only): {self.nodes} node(s) x {self.gpus_per_node} "
-                         f"{self.gpu_name}, {self.memory_gib:g} GiB and {self.peak_tflops:g} TFLOP/s (dense 16-bit) each")
+            lines.append(
+                f"Described cluster (planning only): {self.nodes} node(s) x {self.gpus_per_node} "
+                f"{self.gpu_name}, {self.memory_gib:g} GiB and {self.peak_tflops:g} TFLOP/s (dense 16-bit) each"
+            )
             for what, link in (("intra-node", self.intra_node), ("inter-node", self.inter_node)):
-                lines.append(f"  {what} link: {link.bandwidth_gb_s:g} GB/s per GPU per direction, "
-                             f"{link.latency_us:g} µs ({link.name})")
+                lines.append(
+                    f"  {what} link: {link.bandwidth_gb_s:g} GB/s per GPU per direction, "
+                    f"{link.latency_us:g} µs ({link.name})"
+                )
         elif self.is_emulated:
             lines.append(
                 f"Emulated cluster: {self.nodes} node(s) x {self.gpus_per_node} emulated GPU(s); "
@@ -249,8 +268,10 @@ class Cluster:
             budget = "none" if self.memory_gib is None else f"{self.memory_gib * 1024:.0f} MiB"
             lines.append(f"  memory budget per rank: {budget}")
             if self.clock == "virtual":
-                lines.append("  time: each rank's virtual device clock (its main thread's CPU time, plus waiting "
-                             "for collectives as the link model says)")
+                lines.append(
+                    "  time: each rank's virtual device clock (its main thread's CPU time, plus waiting "
+                    "for collectives as the link model says)"
+                )
             else:
                 lines.append("  time: the wall clock (every emulated GPU needs a free core)")
         else:
@@ -271,7 +292,7 @@ class Cluster:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: str) -> "Cluster":
+    def from_json(cls, raw: str) -> Cluster:
         d = json.loads(raw)
         d["intra_node"] = Link(**d["intra_node"])
         d["inter_node"] = Link(**d["inter_node"])
@@ -288,12 +309,36 @@ class Cluster:
 _NVLINK3 = Link(300.0, 5.0, "NVLink 3 + NVSwitch")
 _NVLINK4 = Link(450.0, 5.0, "NVLink 4 + NVSwitch")
 PRESETS: dict[str, Cluster] = {
-    "dgx-a100-80gb": Cluster("described", 1, 8, _NVLINK3, Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s per GPU"),
-                             memory_gib=80.0, peak_tflops=312.0, gpu_name="A100-SXM4-80GB"),
-    "dgx-h100": Cluster("described", 1, 8, _NVLINK4, Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
-                        memory_gib=80.0, peak_tflops=989.0, gpu_name="H100-SXM5-80GB"),
-    "dgx-h200": Cluster("described", 1, 8, _NVLINK4, Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
-                        memory_gib=141.0, peak_tflops=989.0, gpu_name="H200-SXM-141GB"),
+    "dgx-a100-80gb": Cluster(
+        "described",
+        1,
+        8,
+        _NVLINK3,
+        Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s per GPU"),
+        memory_gib=80.0,
+        peak_tflops=312.0,
+        gpu_name="A100-SXM4-80GB",
+    ),
+    "dgx-h100": Cluster(
+        "described",
+        1,
+        8,
+        _NVLINK4,
+        Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
+        memory_gib=80.0,
+        peak_tflops=989.0,
+        gpu_name="H100-SXM5-80GB",
+    ),
+    "dgx-h200": Cluster(
+        "described",
+        1,
+        8,
+        _NVLINK4,
+        Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
+        memory_gib=141.0,
+        peak_tflops=989.0,
+        gpu_name="H200-SXM-141GB",
+    ),
 }
 
 

@@ -38,16 +38,27 @@ _ENTRIES = 2000  # collectives kept per rank: a few steps of a lab, a few MB at 
 
 def env_for(run_dir: str | Path) -> dict[str, str]:
     """The flight recorder's variables for the ranks of one launch, dumping into `run_dir`."""
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(_ENTRIES), "TORCH_FR_BUFFER_SIZE": str(_ENTRIES),
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir) / DUMP_PREFIX)}
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(_ENTRIES),
+        "TORCH_FR_BUFFER_SIZE": str(_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir) / DUMP_PREFIX),
+    }
 
 
 def _op(entry: dict[str, Any]) -> dict[str, Any]:
     name = str(entry.get("profiling_name", "?"))
-    op = name.split(":", 1)[-1].split(" ", 1)[0]  # "nccl:all_reduce" -> "all_reduce"; "nccl:send 1->2" -> "send"
+    op = name.split(":", 1)[-1].split(" ", 1)[
+        0
+    ]  # "nccl:all_reduce" -> "all_reduce"; "nccl:send 1->2" -> "send"
     dtypes = entry.get("input_dtypes") or [""]
-    return {"seq": int(entry.get("collective_seq_id", 0)), "op": op,
-            "shapes": [list(s) for s in entry.get("input_sizes", [])], "dtype": str(dtypes[0]).lower(), "peer": None}
+    return {
+        "seq": int(entry.get("collective_seq_id", 0)),
+        "op": op,
+        "shapes": [list(s) for s in entry.get("input_sizes", [])],
+        "dtype": str(dtypes[0]).lower(),
+        "peer": None,
+    }
 
 
 def record_of(dump: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +66,12 @@ def record_of(dump: dict[str, Any]) -> dict[str, Any]:
     entries = [e for e in dump.get("entries", []) if e.get("collective_seq_id")]
     entries.sort(key=lambda e: e["collective_seq_id"])
     pending = [_op(e) for e in entries if e.get("state") != "completed"]
-    return {"count": entries[-1]["collective_seq_id"] if entries else 0,
-            "last": _op(entries[-1]) if entries else None, "pending": pending[:1], "status": "running"}
+    return {
+        "count": entries[-1]["collective_seq_id"] if entries else 0,
+        "last": _op(entries[-1]) if entries else None,
+        "pending": pending[:1],
+        "status": "running",
+    }
 
 
 def wait_for_dumps(run_dir: str | Path, ranks: list[int], seconds: float = 5.0) -> None:
@@ -86,15 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m labkit.flight_recorder DIR --world-size N`: which collective hung, on which rank, and why."""
     from labkit.emulate import diagnose_hang
 
-    p = argparse.ArgumentParser(prog="python -m labkit.flight_recorder",
-                                description="Read NCCL flight-recorder dumps and say which collective hung.")
+    p = argparse.ArgumentParser(
+        prog="python -m labkit.flight_recorder",
+        description="Read NCCL flight-recorder dumps and say which collective hung.",
+    )
     p.add_argument("dir", help=f"the folder of the dumps ({DUMP_PREFIX}<rank> files)")
     p.add_argument("--world-size", type=int, required=True, help="ranks in the job (a missing dump is named)")
     args = p.parse_args(argv)
     records = read_records(args.dir, args.world_size)
     if not records:
-        print(f"no readable dump ({DUMP_PREFIX}<rank>) in {args.dir}: the watchdog wrote none (was "
-              "TORCH_NCCL_DUMP_ON_TIMEOUT=1 set before the group was made, and did a collective time out?)")
+        print(
+            f"no readable dump ({DUMP_PREFIX}<rank>) in {args.dir}: the watchdog wrote none (was "
+            "TORCH_NCCL_DUMP_ON_TIMEOUT=1 set before the group was made, and did a collective time out?)"
+        )
         return 1
     diag = diagnose_hang(records, args.world_size)
     print(f"dumps of ranks {sorted(records)} of {args.world_size}")

@@ -73,7 +73,7 @@ def parse_topo_matrix(matrix: str) -> dict[str, dict[str, str]]:
         if not columns and re.fullmatch(r"GPU\d+", tokens[0]) and line[:1].isspace():
             columns = [t for t in tokens if re.fullmatch(r"(GPU|NIC)\d+", t)]
         elif columns and re.fullmatch(r"(GPU|NIC)\d+", tokens[0]):
-            table[tokens[0]] = dict(zip(columns, tokens[1:1 + len(columns)]))
+            table[tokens[0]] = dict(zip(columns, tokens[1 : 1 + len(columns)]))
         elif columns and tokens[0].startswith("Legend"):
             break
     return table
@@ -103,8 +103,12 @@ def pair_links(matrix: str, visible: list[int] | None = None) -> dict[tuple[int,
     table = parse_topo_matrix(matrix)
     gpus = sorted(int(name[3:]) for name in table if name.startswith("GPU"))
     keep = set(gpus if visible is None else visible)
-    return {(i, j): table[f"GPU{i}"].get(f"GPU{j}", "SYS")
-            for i in gpus for j in gpus if i < j and i in keep and j in keep}
+    return {
+        (i, j): table[f"GPU{i}"].get(f"GPU{j}", "SYS")
+        for i in gpus
+        for j in gpus
+        if i < j and i in keep and j in keep
+    }
 
 
 def _link(cell: str, gpu_name: str) -> Link:

@@ -45,10 +45,11 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -62,7 +63,8 @@ __all__ = ["RankError", "launch"]
 # torch.distributed.pipelining pulls in dynamo: ~1.5 s of CPU per rank, 8 ranks on 2 cores ~6 s per launch.
 # Preloaded only on a CPU build, where nothing can touch CUDA before the fork.
 _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "labkit.worker"] + (
-    ["torch.distributed.pipelining"] if torch.version.cuda is None else [])
+    ["torch.distributed.pipelining"] if torch.version.cuda is None else []
+)
 _GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
 
 
@@ -105,8 +107,11 @@ def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
     validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
     validate.positive_number("timeout_s", timeout_s, "launch(fn, timeout_s=30), in seconds")
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main_file is not None and getattr(sys.modules["__main__"].__spec__, "name", None) is None \
-            and not os.path.isfile(main_file):
+    if (
+        main_file is not None
+        and getattr(sys.modules["__main__"].__spec__, "name", None) is None
+        and not os.path.isfile(main_file)
+    ):
         # multiprocessing makes each worker run the main script again from its path; a script
         # read from standard input has none, and every rank would die before it starts.
         raise RuntimeError(
@@ -119,7 +124,7 @@ def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
         # there would start workers from inside a worker. Say so instead of a pile of tracebacks.
         raise RuntimeError(
             "labkit.launch was called while a rank was importing your script's main module: "
-            "put the call under `if __name__ == \"__main__\":` (a notebook cell needs nothing)."
+            'put the call under `if __name__ == "__main__":` (a notebook cell needs nothing).'
         )
 
 
@@ -201,12 +206,20 @@ def _error_for(first: _Outcome, records: dict[int, dict], world_size: int, other
     msg = header + (f"\n  where: {where}" if where else "")
     return RankError(
         f"{msg}{tail}\n(the rank's whole traceback is in this error's .remote_traceback)",
-        rank=first.rank, kind="raised", exc_type=info["type"], remote_traceback=trace,
+        rank=first.rank,
+        kind="raised",
+        exc_type=info["type"],
+        remote_traceback=trace,
     )
 
 
-_NOT_YOURS = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent),
-              str(Path(os.__file__).resolve().parent), "site-packages", "<frozen")
+_NOT_YOURS = (
+    str(Path(__file__).resolve().parent),
+    str(Path(torch.__file__).resolve().parent),
+    str(Path(os.__file__).resolve().parent),
+    "site-packages",
+    "<frozen",
+)
 _FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 
@@ -218,7 +231,7 @@ def _your_frame(trace: str) -> str | None:
         m = _FRAME.match(line)
         if m and not any(part in m["path"] for part in _NOT_YOURS):
             code = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith("    ") else ""
-            found = f'{m["path"]}, line {m["line"]}, in {m["func"]}' + (f": {code}" if code else "")
+            found = f"{m['path']}, line {m['line']}, in {m['func']}" + (f": {code}" if code else "")
     return found
 
 
@@ -260,9 +273,11 @@ def launch(
         return torchrun.run(fn, args, kwargs, world_size, float(timeout_s), cluster)
     if (other := torchrun.external_ranks()) is not None:
         launcher, task, tasks = other
-        raise ValueError(f"this process is task {task} of {tasks} that {launcher} started, not under torchrun: "
-                         f"launch would start {world_size} more ranks here, on this node alone. Start the tasks with "
-                         "torchrun (inside srun: one torchrun per node, see the SLURM example in the README).")
+        raise ValueError(
+            f"this process is task {task} of {tasks} that {launcher} started, not under torchrun: "
+            f"launch would start {world_size} more ranks here, on this node alone. Start the tasks with "
+            "torchrun (inside srun: one torchrun per node, see the SLURM example in the README)."
+        )
     resolved = Cluster.resolve(cluster, world_size)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
@@ -303,7 +318,9 @@ def launch(
         for p in procs:
             p.start()
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
-        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s), deadline, nccl=not resolved.is_emulated)
+        outcomes = _supervise(
+            procs, run_dir, world_size, float(timeout_s), deadline, nccl=not resolved.is_emulated
+        )
     except BaseException:
         _stop(procs, grace_s=0.5)
         raise
@@ -322,12 +339,20 @@ def _records(run_dir: Path, world_size: int, nccl: bool) -> dict[int, dict]:
     """Each rank's collective record: the emulated group's files, or NCCL's flight-recorder dumps."""
     if not nccl:
         return emulate.read_records(run_dir, world_size)
-    flight_recorder.wait_for_dumps(run_dir, list(range(world_size)))  # the watchdogs dump at about the same time
+    flight_recorder.wait_for_dumps(
+        run_dir, list(range(world_size))
+    )  # the watchdogs dump at about the same time
     return flight_recorder.read_records(run_dir, world_size)
 
 
-def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float,
-               deadline: float | None = None, nccl: bool = False) -> list[Any]:
+def _supervise(
+    procs: list,
+    run_dir: Path,
+    world_size: int,
+    timeout_s: float,
+    deadline: float | None = None,
+    nccl: bool = False,
+) -> list[Any]:
     outcomes: dict[int, _Outcome] = {}
     started = time.monotonic()
     first_end: float | None = None
@@ -377,7 +402,9 @@ def _supervise(procs: list, run_dir: Path, world_size: int, timeout_s: float,
                 f"the run did not finish within its deadline of {deadline - started:.0f} s (deadline_s): rank(s) "
                 f"{running} were still running and were stopped"
                 + (f".\n{diag[0]}" if diag else ", outside any collective: look for a loop that never ends."),
-                rank=running[0], kind="hung")
+                rank=running[0],
+                kind="hung",
+            )
         if first_end is not None and time.monotonic() - first_end > timeout_s + _GRACE_S:
             # Some ranks returned long ago; the rest are stuck where gloo's timeout did not fire.
             alive = [r for r in range(world_size) if r not in outcomes]

@@ -44,10 +44,19 @@ class Link:
     name: str = ""
 
     def __post_init__(self) -> None:
-        validate.positive_number("Link bandwidth_gb_s", self.bandwidth_gb_s,
-                                 "Link(bandwidth_gb_s=25), the link's one-direction bandwidth in GB/s")
-        if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
-            raise ValueError(f"Link latency_us={self.latency_us!r} must be a number >= 0; e.g. Link(..., latency_us=5)")
+        validate.positive_number(
+            "Link bandwidth_gb_s",
+            self.bandwidth_gb_s,
+            "Link(bandwidth_gb_s=25), the link's one-direction bandwidth in GB/s",
+        )
+        if (
+            isinstance(self.latency_us, bool)
+            or not isinstance(self.latency_us, (int, float))
+            or self.latency_us < 0
+        ):
+            raise ValueError(
+                f"Link latency_us={self.latency_us!r} must be a number >= 0; e.g. Link(..., latency_us=5)"
+            )
 
     def to_dict(self) -> dict:
         return {"bandwidth_gb_s": self.bandwidth_gb_s, "latency_us": self.latency_us, "name": self.name}
@@ -111,11 +120,14 @@ class Topology:
         return self.inter_node if len(nodes) > 1 else self.intra_node
 
     def to_dict(self) -> dict:
-        return {"gpus_per_node": self.gpus_per_node, "intra_node": self.intra_node.to_dict(),
-                "inter_node": self.inter_node.to_dict()}
+        return {
+            "gpus_per_node": self.gpus_per_node,
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Topology":
+    def from_dict(cls, d: dict) -> Topology:
         return cls(d["gpus_per_node"], Link(**d["intra_node"]), Link(**d["inter_node"]))
 
 

@@ -138,7 +138,9 @@ def estimate_fake(
     seq = config.seq_len if seq_len is None else seq_len
     validate.positive_int("seq_len", seq)
     if seq > config.seq_len:
-        raise ValueError(f"seq_len({seq}) > config.seq_len({config.seq_len}); use seq_len <= {config.seq_len}")
+        raise ValueError(
+            f"seq_len({seq}) > config.seq_len({config.seq_len}); use seq_len <= {config.seq_len}"
+        )
 
     with compat.fake_tensor_mode():
         model = GPT(config, checkpointing=checkpointing)
@@ -157,7 +159,11 @@ def estimate_fake(
 
         result = measure(step, model, opt, warmup=True)
     return MemoryBreakdown(
-        result.params, result.grads, result.optimizer, result.activations, result.other,
+        result.params,
+        result.grads,
+        result.optimizer,
+        result.activations,
+        result.other,
         source=f"FakeTensor ({precision}, {optimizer}, micro_batch={micro_batch}, seq={seq})",
     )
 

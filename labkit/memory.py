@@ -132,6 +132,8 @@ PRECISIONS: dict[str, tuple[int, int, int, int, int]] = {
 
 # optimizer -> number of per-parameter state tensors
 OPTIMIZERS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+
+
 def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter; ZeRO's K is the third.
 
@@ -238,8 +240,10 @@ def estimate(
         )
     validate.positive_int("dp", dp)
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} must be a ZeRO stage: use 0, 1, 2 or 3 (0 off, 1 optimizer "
-                         "states, 2 + gradients, 3 + parameters)")
+        raise ValueError(
+            f"zero_stage={zero_stage!r} must be a ZeRO stage: use 0, 1, 2 or 3 (0 off, 1 optimizer "
+            "states, 2 + gradients, 3 + parameters)"
+        )
     validate.one_of("precision", precision, PRECISIONS)
     validate.one_of("optimizer", optimizer, OPTIMIZERS)
     validate.positive_int("micro_batch", micro_batch)
@@ -252,17 +256,52 @@ def estimate(
         validate.positive_int("micro_batches", micro_batches, "estimate(..., pp=4, micro_batches=8)")
     n, config = _count_params(params, model)
     if config is None:
-        return _estimate_stage(_shard(n, tp * pp), None, 1, 0, dp, zero_stage, precision, optimizer, micro_batch,
-                               seq_len, checkpointing, keep_grads, activations, tp, f"tp={tp}, pp={pp}")
+        return _estimate_stage(
+            _shard(n, tp * pp),
+            None,
+            1,
+            0,
+            dp,
+            zero_stage,
+            precision,
+            optimizer,
+            micro_batch,
+            seq_len,
+            checkpointing,
+            keep_grads,
+            activations,
+            tp,
+            f"tp={tp}, pp={pp}",
+        )
     check_model_parallel(config, tp, pp)
     blocks = blocks_per_stage(config, pp)
     results = []
     for s in sorted({0, pp - 1}):
         in_flight = min(micro_batches or pp, pp - s)
-        where = f"tp={tp}, pp={pp}" + (f", stage {s} ({blocks[s]} blocks, {in_flight} in flight)" if pp > 1 else "")
-        results.append(_estimate_stage(stage_params(config, tp, pp, s), config, blocks[s], s, dp, zero_stage,
-                                       precision, optimizer, micro_batch, seq_len, checkpointing, keep_grads,
-                                       activations, tp, where, in_flight, s == pp - 1))
+        where = f"tp={tp}, pp={pp}" + (
+            f", stage {s} ({blocks[s]} blocks, {in_flight} in flight)" if pp > 1 else ""
+        )
+        results.append(
+            _estimate_stage(
+                stage_params(config, tp, pp, s),
+                config,
+                blocks[s],
+                s,
+                dp,
+                zero_stage,
+                precision,
+                optimizer,
+                micro_batch,
+                seq_len,
+                checkpointing,
+                keep_grads,
+                activations,
+                tp,
+                where,
+                in_flight,
+                s == pp - 1,
+            )
+        )
     return max(results, key=lambda b: b.peak)
 
 
@@ -270,8 +309,10 @@ def check_model_parallel(config: GPTConfig, tp: int, pp: int) -> None:
     """Refuse a tp that does not split the heads and the MLP evenly, or more stages than blocks."""
     check_tp_size(config, tp)
     if pp > config.n_layers:
-        raise ValueError(f"pp={pp} pipeline stages for {config.n_layers} blocks: every stage needs a block; "
-                         f"use pp <= {config.n_layers}")
+        raise ValueError(
+            f"pp={pp} pipeline stages for {config.n_layers} blocks: every stage needs a block; "
+            f"use pp <= {config.n_layers}"
+        )
 
 
 def blocks_per_stage(config: GPTConfig, pp: int) -> list[int]:
@@ -302,10 +343,25 @@ def _block_params(config: GPTConfig, tp: int) -> int:
     return 4 * d + (d * qkv + qkv + d * d + d * f + f + f * d) // tp + 2 * d
 
 
-def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, dp: int, zero_stage: int,
-                    precision: str, optimizer: str, micro_batch: int, seq_len: int | None, checkpointing: bool,
-                    keep_grads: bool, activations: str, tp: int, where: str, in_flight: int = 1,
-                    has_head: bool = True) -> MemoryBreakdown:
+def _estimate_stage(
+    n: int,
+    config: GPTConfig | None,
+    blocks: int,
+    stage: int,
+    dp: int,
+    zero_stage: int,
+    precision: str,
+    optimizer: str,
+    micro_batch: int,
+    seq_len: int | None,
+    checkpointing: bool,
+    keep_grads: bool,
+    activations: str,
+    tp: int,
+    where: str,
+    in_flight: int = 1,
+    has_head: bool = True,
+) -> MemoryBreakdown:
     """`estimate` for one rank holding `n` parameters and, with a config, `blocks` blocks of it."""
     p_bytes, g_bytes, k_bytes = bytes_per_param(precision, optimizer)
     # ZeRO (Rajbhandari et al. 2020, Figure 1): each stage shards one more kind of state.
@@ -318,9 +374,21 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, d
     transient = live_grads  # the optimizer step holds all gradients
     if config is not None:
         seq = config.seq_len if seq_len is None else seq_len
-        act_mem, other, peak_of_backward = _activations(config, micro_batch, seq, precision, checkpointing,
-                                                        activations, live_grads, tp, blocks, in_flight, has_head,
-                                                        stage, n)
+        act_mem, other, peak_of_backward = _activations(
+            config,
+            micro_batch,
+            seq,
+            precision,
+            checkpointing,
+            activations,
+            live_grads,
+            tp,
+            blocks,
+            in_flight,
+            has_head,
+            stage,
+            n,
+        )
         transient = max(transient, peak_of_backward)
     peak = param_mem + opt_mem + (grad_mem if keep_grads else 0) + transient
     parallel = "" if where == "tp=1, pp=1" else f", {where}"
@@ -340,18 +408,39 @@ def _count_params(params: int | None, model: GPTConfig | nn.Module | None) -> tu
         raise ValueError(f"model must be a GPTConfig or an nn.Module, got {type(model).__name__}")
     if isinstance(params, float) and params.is_integer():
         params = int(params)  # people write model sizes as 7.5e9
-    return validate.non_negative_int("params", params, "estimate(params=7.5e9), a whole number of parameters"), None
+    return validate.non_negative_int(
+        "params", params, "estimate(params=7.5e9), a whole number of parameters"
+    ), None
 
 
-def _activations(config: GPTConfig, micro_batch: int, seq: int, precision: str, checkpointing: bool,
-                 activations: str, live_grads: int, tp: int = 1, blocks: int | None = None, in_flight: int = 1,
-                 has_head: bool = True, stage: int = 0, n: int | None = None) -> tuple[int, int, int]:
+def _activations(
+    config: GPTConfig,
+    micro_batch: int,
+    seq: int,
+    precision: str,
+    checkpointing: bool,
+    activations: str,
+    live_grads: int,
+    tp: int = 1,
+    blocks: int | None = None,
+    in_flight: int = 1,
+    has_head: bool = True,
+    stage: int = 0,
+    n: int | None = None,
+) -> tuple[int, int, int]:
     """(activation bytes, other temporaries, bytes of both at backward's peak) for `estimate`:
     `blocks` blocks (all of them by default) with `in_flight` micro-batches, the head if `has_head`."""
     blocks = config.n_layers if blocks is None else blocks
     if activations == "korthikanti":
-        act = in_flight * korthikanti_activation_bytes(seq, micro_batch, config.d_model, config.n_heads, blocks,
-                                                       recompute="full" if checkpointing else "none", tp=tp)
+        act = in_flight * korthikanti_activation_bytes(
+            seq,
+            micro_batch,
+            config.d_model,
+            config.n_heads,
+            blocks,
+            recompute="full" if checkpointing else "none",
+            tp=tp,
+        )
         if PRECISIONS[precision][4] == 4:
             act *= 2  # course adaptation: fp32 activations are twice the 16-bit bytes
         return act, 0, act
@@ -366,7 +455,10 @@ def _activations(config: GPTConfig, micro_batch: int, seq: int, precision: str, 
     # recomputed and differentiated while the gradients of all later blocks and of the head exist.
     share = parts.first_block_share
     if (tp, blocks) != (1, config.n_layers) and n:
-        share = (_block_params(config, tp) + ((config.vocab_size + config.seq_len) * config.d_model if stage == 0 else 0)) / n
+        share = (
+            _block_params(config, tp)
+            + ((config.vocab_size + config.seq_len) * config.d_model if stage == 0 else 0)
+        ) / n
     later_grads = round(live_grads * (1 - share))
     peak = max(kept + head + other, kept + parts.per_block + parts.block_temps + later_grads)
     return kept + parts.per_block + head, other, peak

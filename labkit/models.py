@@ -97,11 +97,15 @@ class GPTConfig:
         qkv_out = d + 2 * self.kv_heads * self.head_dim
         per_block = (
             2 * d  # ln_1 weight + bias
-            + d * qkv_out + qkv_out  # attn.qkv
-            + d * d + d  # attn.proj
+            + d * qkv_out
+            + qkv_out  # attn.qkv
+            + d * d
+            + d  # attn.proj
             + 2 * d  # ln_2
-            + d * f + f  # mlp.fc
-            + f * d + d  # mlp.proj
+            + d * f
+            + f  # mlp.fc
+            + f * d
+            + d  # mlp.proj
         )
         embeddings = v * d + self.seq_len * d
         head = 2 * d + (0 if self.tie_embeddings else v * d)  # ln_f + lm_head (no bias)
@@ -131,18 +135,30 @@ class GPTConfig:
 # checkpoints), GPT-3 (Brown et al. 2020, Table 2.1), Llama 2 (Touvron et al. 2023, and the
 # released configs: 7B ffn 11008, 13B ffn 13824, 70B ffn 28672 with 8 k/v heads).
 PRESETS: dict[str, GPTConfig] = {
-    "gpt2": GPTConfig(n_layers=12, d_model=768, n_heads=12, vocab_size=50257, seq_len=1024,
-                      tie_embeddings=True),
-    "gpt2-xl": GPTConfig(n_layers=48, d_model=1600, n_heads=25, vocab_size=50257, seq_len=1024,
-                         tie_embeddings=True),
-    "llama2-7b": GPTConfig(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000,
-                           seq_len=4096, ffn_hidden=3 * 11008 // 2),
-    "llama2-13b": GPTConfig(n_layers=40, d_model=5120, n_heads=40, vocab_size=32000,
-                            seq_len=4096, ffn_hidden=3 * 13824 // 2),
-    "llama2-70b": GPTConfig(n_layers=80, d_model=8192, n_heads=64, vocab_size=32000,
-                            seq_len=4096, ffn_hidden=3 * 28672 // 2, n_kv_heads=8),
-    "gpt3-175b": GPTConfig(n_layers=96, d_model=12288, n_heads=96, vocab_size=50257,
-                           seq_len=2048, tie_embeddings=True),
+    "gpt2": GPTConfig(
+        n_layers=12, d_model=768, n_heads=12, vocab_size=50257, seq_len=1024, tie_embeddings=True
+    ),
+    "gpt2-xl": GPTConfig(
+        n_layers=48, d_model=1600, n_heads=25, vocab_size=50257, seq_len=1024, tie_embeddings=True
+    ),
+    "llama2-7b": GPTConfig(
+        n_layers=32, d_model=4096, n_heads=32, vocab_size=32000, seq_len=4096, ffn_hidden=3 * 11008 // 2
+    ),
+    "llama2-13b": GPTConfig(
+        n_layers=40, d_model=5120, n_heads=40, vocab_size=32000, seq_len=4096, ffn_hidden=3 * 13824 // 2
+    ),
+    "llama2-70b": GPTConfig(
+        n_layers=80,
+        d_model=8192,
+        n_heads=64,
+        vocab_size=32000,
+        seq_len=4096,
+        ffn_hidden=3 * 28672 // 2,
+        n_kv_heads=8,
+    ),
+    "gpt3-175b": GPTConfig(
+        n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, seq_len=2048, tie_embeddings=True
+    ),
 }
 
 

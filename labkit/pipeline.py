@@ -53,14 +53,20 @@ def _check_costs(costs: Sequence[float], stages: int) -> list[float]:
     validate.positive_int("stages", stages, "balance(costs, stages=4)")
     values = list(costs)
     if not values:
-        raise ValueError("costs is empty: pass one measured cost per layer, e.g. balance([3.0, 1.0, 1.0, 2.0], 2)")
+        raise ValueError(
+            "costs is empty: pass one measured cost per layer, e.g. balance([3.0, 1.0, 1.0, 2.0], 2)"
+        )
     for i, c in enumerate(values):
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-            raise ValueError(f"costs[{i}]={c!r} must be a finite number > 0 (a layer's measured time); "
-                             "e.g. the ms per micro-batch from labkit.pipeline's profile")
+            raise ValueError(
+                f"costs[{i}]={c!r} must be a finite number > 0 (a layer's measured time); "
+                "e.g. the ms per micro-batch from labkit.pipeline's profile"
+            )
     if stages > len(values):
-        raise ValueError(f"stages={stages} is more than the {len(values)} layers in costs: every stage needs at "
-                         f"least one layer; use stages <= {len(values)} or split the model finer")
+        raise ValueError(
+            f"stages={stages} is more than the {len(values)} layers in costs: every stage needs at "
+            f"least one layer; use stages <= {len(values)} or split the model finer"
+        )
     return [float(c) for c in values]
 
 
@@ -79,7 +85,7 @@ def stage_costs(costs: Sequence[float], sizes: Sequence[int]) -> list[float]:
         raise ValueError(f"sizes={list(sizes)} must be positive and add up to the {len(costs)} layers")
     out, start = [], 0
     for n in sizes:
-        out.append(float(sum(costs[start:start + n])))
+        out.append(float(sum(costs[start : start + n])))
         start += n
     return out
 
@@ -119,11 +125,15 @@ def _check_schedule(stages: int, micro_batches: int, schedule: str, chunks: int)
     validate.one_of("schedule", schedule, SCHEDULES, 'bubble_fraction(4, 8, schedule="1f1b")')
     validate.positive_int("chunks", chunks, 'bubble_fraction(4, 8, "interleaved_1f1b", chunks=2)')
     if schedule != "interleaved_1f1b" and chunks != 1:
-        raise ValueError(f"chunks={chunks} needs schedule='interleaved_1f1b' (GPipe and 1F1B hold one chunk per rank)")
+        raise ValueError(
+            f"chunks={chunks} needs schedule='interleaved_1f1b' (GPipe and 1F1B hold one chunk per rank)"
+        )
     if schedule == "interleaved_1f1b" and micro_batches % stages:
-        raise ValueError(f"micro_batches={micro_batches} must be a multiple of stages={stages} for the interleaved "
-                         "schedule (Narayanan et al. 2021, section 2.2.2); e.g. micro_batches="
-                         f"{stages * max(1, round(micro_batches / stages))}")
+        raise ValueError(
+            f"micro_batches={micro_batches} must be a multiple of stages={stages} for the interleaved "
+            "schedule (Narayanan et al. 2021, section 2.2.2); e.g. micro_batches="
+            f"{stages * max(1, round(micro_batches / stages))}"
+        )
 
 
 def bubble_fraction(stages: int, micro_batches: int, schedule: str = "1f1b", chunks: int = 1) -> float:
@@ -172,8 +182,15 @@ def in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) ->
     return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
 
 
-def choose_micro_batches(stages: int, batch_size: int, max_bubble: float = 0.3, schedule: str = "1f1b", *,
-                         activation_bytes_per_sample: float | None = None, memory_bytes: float | None = None) -> int:
+def choose_micro_batches(
+    stages: int,
+    batch_size: int,
+    max_bubble: float = 0.3,
+    schedule: str = "1f1b",
+    *,
+    activation_bytes_per_sample: float | None = None,
+    memory_bytes: float | None = None,
+) -> int:
     """The number of micro-batches for a batch of `batch_size` sequences on `stages` stages.
 
     The fewest m that divides the batch (equal micro-batches), is at least `stages` for 1F1B (torch
@@ -191,18 +208,29 @@ def choose_micro_batches(stages: int, batch_size: int, max_bubble: float = 0.3, 
     low = stages if schedule == "1f1b" else 1
     options = [m for m in range(low, batch_size + 1) if batch_size % m == 0]
     if not options:
-        raise ValueError(f"batch_size={batch_size} is smaller than stages={stages}: 1F1B needs at least one "
-                         f"micro-batch per stage; use batch_size >= {stages} or schedule='gpipe'")
+        raise ValueError(
+            f"batch_size={batch_size} is smaller than stages={stages}: 1F1B needs at least one "
+            f"micro-batch per stage; use batch_size >= {stages} or schedule='gpipe'"
+        )
     if (activation_bytes_per_sample is None) != (memory_bytes is None):
         raise ValueError("give both activation_bytes_per_sample and memory_bytes, or neither")
     if memory_bytes is not None:
-        fits = [m for m in options
-                if in_flight(schedule, stages, m) * (batch_size // m) * activation_bytes_per_sample <= memory_bytes]
+        fits = [
+            m
+            for m in options
+            if in_flight(schedule, stages, m) * (batch_size // m) * activation_bytes_per_sample
+            <= memory_bytes
+        ]
         if not fits:
-            need = min(in_flight(schedule, stages, m) * (batch_size // m) for m in options) * activation_bytes_per_sample
-            raise ValueError(f"no micro-batch count fits: the first stage needs at least {need / 2**20:.1f} MiB of "
-                             f"activations, memory_bytes is {memory_bytes / 2**20:.1f} MiB. Use 1F1B, activation "
-                             "checkpointing, a smaller batch, or more stages")
+            need = (
+                min(in_flight(schedule, stages, m) * (batch_size // m) for m in options)
+                * activation_bytes_per_sample
+            )
+            raise ValueError(
+                f"no micro-batch count fits: the first stage needs at least {need / 2**20:.1f} MiB of "
+                f"activations, memory_bytes is {memory_bytes / 2**20:.1f} MiB. Use 1F1B, activation "
+                "checkpointing, a smaller batch, or more stages"
+            )
         options = fits
     for m in options:
         if bubble_fraction(stages, m, schedule) <= max_bubble:
@@ -247,7 +275,9 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     return out, sum(seen.values())
 
 
-def profile_layers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 5) -> list[LayerProfile]:
+def profile_layers(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 5
+) -> list[LayerProfile]:
     """Forward and backward cost (median of `repeats` training steps) and saved activations of each
     layer of a GPT: "embedding" (token + position), "block i", and "head" (final norm, LM head, loss).
 
@@ -262,7 +292,9 @@ def profile_layers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, 
     validate.positive_int("repeats", repeats, "profile_layers(model, x, y, repeats=5)")
     for name in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head"):
         if not hasattr(model, name):
-            raise TypeError(f"profile_layers needs a labkit.models.GPT (no .{name} on {type(model).__name__})")
+            raise TypeError(
+                f"profile_layers needs a labkit.models.GPT (no .{name} on {type(model).__name__})"
+            )
     clock = _timer(x.device)
     pos = torch.arange(x.shape[1], device=x.device)
 
@@ -300,5 +332,7 @@ def profile_layers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, 
             fwd[i].append(marks[i + 1] - marks[i])
             bwd[i].append(done[k + 1] - done[k])
     model.zero_grad(set_to_none=True)
-    return [LayerProfile(name, statistics.median(f[1:]) * 1e3, statistics.median(b[1:]) * 1e3, nb)
-            for (name, _), f, b, nb in zip(layers, fwd, bwd, saved)]
+    return [
+        LayerProfile(name, statistics.median(f[1:]) * 1e3, statistics.median(b[1:]) * 1e3, nb)
+        for (name, _), f, b, nb in zip(layers, fwd, bwd, saved)
+    ]

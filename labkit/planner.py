@@ -89,12 +89,21 @@ class Candidate:
 
     def row(self) -> dict:
         mem = None if self.memory is None else round(self.memory.peak / _GIB, 3)
-        return {"layout": str(self.layout), "dp": self.dp, "tp": self.tp, "pp": self.pp,
-                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches, "zero": self.zero_stage,
-                "ckpt": self.checkpointing, "memory_gib": mem,
-                "predicted_ms": None if self.predicted_ms is None else round(self.predicted_ms, 3),
-                **{f"{k}_ms": round(v, 3) for k, v in self.parts_ms.items()},
-                "links": ",".join(f"{k}:{v}" for k, v in self.links.items()), "reason": self.reason or "ok"}
+        return {
+            "layout": str(self.layout),
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "micro_batch": self.micro_batch,
+            "micro_batches": self.micro_batches,
+            "zero": self.zero_stage,
+            "ckpt": self.checkpointing,
+            "memory_gib": mem,
+            "predicted_ms": None if self.predicted_ms is None else round(self.predicted_ms, 3),
+            **{f"{k}_ms": round(v, 3) for k, v in self.parts_ms.items()},
+            "links": ",".join(f"{k}:{v}" for k, v in self.links.items()),
+            "reason": self.reason or "ok",
+        }
 
 
 @dataclass
@@ -115,8 +124,10 @@ class Plan:
         ok = [c for c in self.candidates if c.ok]
         if not ok:
             reasons = "; ".join(f"{c.layout}: {c.reason}" for c in self.candidates[:6])
-            raise ValueError(f"no layout fits: {reasons}. Use more GPUs, a smaller model or global batch, ZeRO or "
-                             "activation checkpointing")
+            raise ValueError(
+                f"no layout fits: {reasons}. Use more GPUs, a smaller model or global batch, ZeRO or "
+                "activation checkpointing"
+            )
         return ok[0]
 
     def candidate(self, dp: int, tp: int, pp: int) -> Candidate:
@@ -128,20 +139,29 @@ class Plan:
     def table(self, limit: int | None = None) -> str:
         """The ranked layouts as text: predicted ms and its terms, memory per GPU, options, reason."""
         cap = self.memory_gib
-        head = (f"{'layout':<18}{'mb':>4}{'m':>5}{'zero':>5}{'ckpt':>5}{'mem/GPU':>11}{'pred ms':>10}"
-                f"{'compute':>9}{'bubble':>8}{'tp':>8}{'pp':>7}{'dp+opt':>8}  links / reason")
-        lines = [f"plan for {self.cluster.nodes} x {self.cluster.gpus_per_node} GPUs"
-                 f" of {_size(cap * _GIB)} ({self.headroom:.0%} kept free), global batch {self.global_batch}, seq {self.seq_len}"
-                 f" ({self.cluster.label}; compute {self.rates.source})", head]
+        head = (
+            f"{'layout':<18}{'mb':>4}{'m':>5}{'zero':>5}{'ckpt':>5}{'mem/GPU':>11}{'pred ms':>10}"
+            f"{'compute':>9}{'bubble':>8}{'tp':>8}{'pp':>7}{'dp+opt':>8}  links / reason"
+        )
+        lines = [
+            f"plan for {self.cluster.nodes} x {self.cluster.gpus_per_node} GPUs"
+            f" of {_size(cap * _GIB)} ({self.headroom:.0%} kept free), global batch {self.global_batch}, seq {self.seq_len}"
+            f" ({self.cluster.label}; compute {self.rates.source})",
+            head,
+        ]
         for c in self.candidates[:limit]:
             mem = "-" if c.memory is None else _size(c.memory.peak)
             pred = "-" if c.predicted_ms is None else f"{c.predicted_ms:.1f}"
             p = c.parts_ms
-            terms = "".join(f"{p[k]:>{w}.1f}" if k in p else f"{'-':>{w}}"
-                            for k, w in (("compute", 9), ("bubble", 8), ("tp", 8), ("pp", 7), ("dp", 8)))
+            terms = "".join(
+                f"{p[k]:>{w}.1f}" if k in p else f"{'-':>{w}}"
+                for k, w in (("compute", 9), ("bubble", 8), ("tp", 8), ("pp", 7), ("dp", 8))
+            )
             note = ",".join(f"{k}:{v}" for k, v in c.links.items()) if c.ok else c.reason
-            lines.append(f"{str(c.layout):<18}{c.micro_batch or '-':>4}{c.micro_batches or '-':>5}{c.zero_stage:>5}"
-                         f"{'y' if c.checkpointing else 'n':>5}{mem:>11}{pred:>10}{terms}  {note}")
+            lines.append(
+                f"{c.layout!s:<18}{c.micro_batch or '-':>4}{c.micro_batches or '-':>5}{c.zero_stage:>5}"
+                f"{'y' if c.checkpointing else 'n':>5}{mem:>11}{pred:>10}{terms}  {note}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -158,17 +178,33 @@ def _divisors(n: int) -> list[int]:
 
 def _cluster_rates(cluster: Cluster, efficiency: float) -> Rates:
     if cluster.kind == "described":
-        return Rates(cluster.peak_tflops * 1e12 * efficiency, 0.0,
-                     f"{cluster.peak_tflops:g} TFLOP/s peak x {efficiency:.0%} efficiency, optimizer not counted")
+        return Rates(
+            cluster.peak_tflops * 1e12 * efficiency,
+            0.0,
+            f"{cluster.peak_tflops:g} TFLOP/s peak x {efficiency:.0%} efficiency, optimizer not counted",
+        )
     if cluster.is_emulated and cluster.cpu_gflops:
-        return Rates(cluster.cpu_gflops * 1e9 * efficiency, 0.0,
-                     f"this CPU's {cluster.cpu_gflops:.1f} GFLOP/s per core x {efficiency:.0%}")
-    raise ValueError("no compute rate for this cluster: pass rates=labkit.planner.Rates(flops_per_s=...) "
-                     "(e.g. measured with labkit.experiments.parallelism_choice.measure_rates)")
+        return Rates(
+            cluster.cpu_gflops * 1e9 * efficiency,
+            0.0,
+            f"this CPU's {cluster.cpu_gflops:.1f} GFLOP/s per core x {efficiency:.0%}",
+        )
+    raise ValueError(
+        "no compute rate for this cluster: pass rates=labkit.planner.Rates(flops_per_s=...) "
+        "(e.g. measured with labkit.experiments.parallelism_choice.measure_rates)"
+    )
 
 
-def tp_comm_s(config: GPTConfig, micro_batch: int, tp: int, link: Link, blocks: int | None = None,
-              checkpointing: bool = False, seq_len: int | None = None, precision: str = "fp32") -> float:
+def tp_comm_s(
+    config: GPTConfig,
+    micro_batch: int,
+    tp: int,
+    link: Link,
+    blocks: int | None = None,
+    checkpointing: bool = False,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+) -> float:
     """Seconds of tensor-parallel all-reduces for one micro-batch through `blocks` blocks (default: all).
 
     Each block all-reduces its output activation (micro_batch x seq x d_model) twice in forward (g after
@@ -183,7 +219,9 @@ def tp_comm_s(config: GPTConfig, micro_batch: int, tp: int, link: Link, blocks: 
     return n * per_block * collective_time_s("all_reduce", nbytes, tp, link)
 
 
-def _predict(c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates: Rates, precision: str) -> None:
+def _predict(
+    c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates: Rates, precision: str
+) -> None:
     """Fill `c.parts_ms` and `c.predicted_ms` (see the module docstring)."""
     topo = cluster.topology()
     pp, tp, dp = c.pp, c.tp, c.dp
@@ -200,7 +238,9 @@ def _predict(c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates:
     link = {k: (topo.inter_node if where == "inter" else topo.intra_node) for k, where in c.links.items()}
     tp_s = pp_s = dp_s = 0.0
     if tp > 1:
-        tp_s = tp_comm_s(config, c.micro_batch, tp, link["tp"], max(stage_blocks), c.checkpointing, seq, precision)
+        tp_s = tp_comm_s(
+            config, c.micro_batch, tp, link["tp"], max(stage_blocks), c.checkpointing, seq, precision
+        )
     if pp > 1:
         # Each micro-batch crosses every boundary twice (activation down, gradient back); a slot pays the
         # mean boundary's pair of transfers (a boundary inside a node is cheaper than the one between nodes).
@@ -212,19 +252,38 @@ def _predict(c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates:
     params = max(stage_params(config, tp, pp, s) for s in range(pp))  # the largest stage's dp group is last
     if dp > 1:
         grad_bytes = params * (4 if precision == "fp32" else 2)
-        dp_s = collective_time_s("all_reduce", grad_bytes, dp, link["dp"]) * (1.5 if c.zero_stage >= 3 else 1.0)
+        dp_s = collective_time_s("all_reduce", grad_bytes, dp, link["dp"]) * (
+            1.5 if c.zero_stage >= 3 else 1.0
+        )
     opt_params = params / dp if c.zero_stage >= 1 else params
     opt_s = opt_params * rates.optimizer_s_per_param
-    c.parts_ms = {"compute": m * compute * 1e3, "bubble": (pp - 1) * slot * 1e3, "tp": m * tp_s * 1e3,
-                  "pp": m * pp_s * 1e3, "dp": (dp_s + opt_s) * 1e3}
+    c.parts_ms = {
+        "compute": m * compute * 1e3,
+        "bubble": (pp - 1) * slot * 1e3,
+        "tp": m * tp_s * 1e3,
+        "pp": m * pp_s * 1e3,
+        "dp": (dp_s + opt_s) * 1e3,
+    }
     c.predicted_ms = (m + pp - 1) * slot * 1e3 + (dp_s + opt_s) * 1e3
 
 
-def plan(model: GPTConfig | str, cluster: Cluster, global_batch: int, seq_len: int | None = None, *,
-         precision: str = "mixed", optimizer: str = "adam", memory_gib: float | None = None,
-         zero_stages: tuple[int, ...] = (0, 1), checkpointing: tuple[bool, ...] = (False, True),
-         micro_batch_sizes: tuple[int, ...] | None = None, rates: Rates | None = None, efficiency: float = 0.5,
-         tp_across_nodes: bool = False, headroom: float = 0.1) -> Plan:
+def plan(
+    model: GPTConfig | str,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int | None = None,
+    *,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    memory_gib: float | None = None,
+    zero_stages: tuple[int, ...] = (0, 1),
+    checkpointing: tuple[bool, ...] = (False, True),
+    micro_batch_sizes: tuple[int, ...] | None = None,
+    rates: Rates | None = None,
+    efficiency: float = 0.5,
+    tp_across_nodes: bool = False,
+    headroom: float = 0.1,
+) -> Plan:
     """Rank every dp x tp x pp layout of `cluster` for `model` at `global_batch` sequences per step.
 
     `memory_gib`: per-GPU capacity (default the cluster's). `rates`: compute speed (default: the described
@@ -239,32 +298,66 @@ def plan(model: GPTConfig | str, cluster: Cluster, global_batch: int, seq_len: i
     if not isinstance(config, GPTConfig):
         raise ValueError(f"model must be a GPTConfig or a preset name, got {type(model).__name__}")
     if not isinstance(cluster, Cluster):
-        raise ValueError(f"cluster must be a labkit.Cluster (e.g. Cluster.preset('dgx-a100-80gb', nodes=2)), "
-                         f"got {cluster!r}")
+        raise ValueError(
+            f"cluster must be a labkit.Cluster (e.g. Cluster.preset('dgx-a100-80gb', nodes=2)), "
+            f"got {cluster!r}"
+        )
     validate.positive_int("global_batch", global_batch, "plan(model, cluster, global_batch=512)")
     seq = config.seq_len if seq_len is None else validate.positive_int("seq_len", seq_len, "seq_len=2048")
     cap = cluster.memory_gib if memory_gib is None else memory_gib
     if cap is None:
-        raise ValueError("the cluster has no memory capacity: pass memory_gib=80 (per GPU), or describe the "
-                         "cluster with one (Cluster.preset(...), Cluster.emulated(memory_gib=0.25))")
+        raise ValueError(
+            "the cluster has no memory capacity: pass memory_gib=80 (per GPU), or describe the "
+            "cluster with one (Cluster.preset(...), Cluster.emulated(memory_gib=0.25))"
+        )
     if not 0 <= headroom < 1:
-        raise ValueError(f"headroom={headroom!r} must be a share of memory in [0, 1): e.g. headroom=0.1 keeps 10 % free")
+        raise ValueError(
+            f"headroom={headroom!r} must be a share of memory in [0, 1): e.g. headroom=0.1 keeps 10 % free"
+        )
     rates = rates or _cluster_rates(cluster, efficiency)
     world, topo = cluster.world_size, cluster.topology()
     candidates = []
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             layout = Layout(world // tp // pp, tp, pp)
-            candidates.append(_best_option(layout, config, cluster, topo, global_batch, seq, precision, optimizer,
-                                           cap * (1 - headroom), zero_stages, checkpointing, micro_batch_sizes, rates,
-                                           tp_across_nodes))
+            candidates.append(
+                _best_option(
+                    layout,
+                    config,
+                    cluster,
+                    topo,
+                    global_batch,
+                    seq,
+                    precision,
+                    optimizer,
+                    cap * (1 - headroom),
+                    zero_stages,
+                    checkpointing,
+                    micro_batch_sizes,
+                    rates,
+                    tp_across_nodes,
+                )
+            )
     candidates.sort(key=lambda c: (not c.ok, c.predicted_ms is None, c.predicted_ms or 0.0))
     return Plan(config, cluster, global_batch, seq, rates, candidates, cap, headroom)
 
 
-def _best_option(layout: Layout, config: GPTConfig, cluster: Cluster, topo, global_batch: int, seq: int,
-                 precision: str, optimizer: str, cap: float, zero_stages, checkpointing, micro_batch_sizes,
-                 rates: Rates, tp_across_nodes: bool) -> Candidate:
+def _best_option(
+    layout: Layout,
+    config: GPTConfig,
+    cluster: Cluster,
+    topo,
+    global_batch: int,
+    seq: int,
+    precision: str,
+    optimizer: str,
+    cap: float,
+    zero_stages,
+    checkpointing,
+    micro_batch_sizes,
+    rates: Rates,
+    tp_across_nodes: bool,
+) -> Candidate:
     """The fastest fitting option of one layout, or the layout with the reason nothing works."""
     base = Candidate(layout, links=layout.links_crossed(topo))
     try:
@@ -273,8 +366,10 @@ def _best_option(layout: Layout, config: GPTConfig, cluster: Cluster, topo, glob
         base.reason = f"does not divide: {exc}"
         return base
     if global_batch % layout.dp:
-        base.reason = (f"does not divide: global batch {global_batch} over dp={layout.dp} replicas; use a global "
-                       f"batch that is a multiple of {layout.dp}")
+        base.reason = (
+            f"does not divide: global batch {global_batch} over dp={layout.dp} replicas; use a global "
+            f"batch that is a multiple of {layout.dp}"
+        )
         return base
     per_replica = global_batch // layout.dp
     sizes = [b for b in (micro_batch_sizes or _divisors(per_replica)) if per_replica % b == 0]
@@ -283,33 +378,50 @@ def _best_option(layout: Layout, config: GPTConfig, cluster: Cluster, topo, glob
         m = per_replica // mb
         if layout.pp > 1 and m < layout.pp:
             continue  # 1F1B needs m >= p
-        for zero in (zero_stages if layout.dp > 1 else (0,)):
+        for zero in zero_stages if layout.dp > 1 else (0,):
             for ckpt in checkpointing:
                 c = Candidate(layout, mb, m, zero, ckpt, links=base.links)
                 # With m > 1 micro-batches the gradients live through the step (accumulation, and 1F1B's
                 # backwards of early micro-batches before the last forward): keep_grads, as lab 02 measured.
-                c.memory = estimate(model=config, dp=layout.dp, zero_stage=zero, precision=precision,
-                                    optimizer=optimizer, micro_batch=mb, seq_len=seq, checkpointing=ckpt,
-                                    keep_grads=m > 1, tp=layout.tp, pp=layout.pp, micro_batches=m)
+                c.memory = estimate(
+                    model=config,
+                    dp=layout.dp,
+                    zero_stage=zero,
+                    precision=precision,
+                    optimizer=optimizer,
+                    micro_batch=mb,
+                    seq_len=seq,
+                    checkpointing=ckpt,
+                    keep_grads=m > 1,
+                    tp=layout.tp,
+                    pp=layout.pp,
+                    micro_batches=m,
+                )
                 _predict(c, config, cluster, seq, rates, precision)
                 if smallest is None or c.memory.peak < smallest.memory.peak:
                     smallest = c
                 if c.memory.peak <= cap * _GIB:
                     tried.append(c)
     if smallest is None:
-        base.reason = (f"does not divide: pp={layout.pp} stages need at least {layout.pp} micro-batches of the "
-                       f"{per_replica} sequences per replica")
+        base.reason = (
+            f"does not divide: pp={layout.pp} stages need at least {layout.pp} micro-batches of the "
+            f"{per_replica} sequences per replica"
+        )
         return base
     if not tried:
-        smallest.reason = (f"does not fit: {_size(smallest.memory.peak)} > {_size(cap * _GIB)} usable per GPU even at "
-                           f"micro-batch {smallest.micro_batch}, ZeRO-{smallest.zero_stage}, checkpointing "
-                           f"{'on' if smallest.checkpointing else 'off'}; shard the model (tp, pp) or use more GPUs")
+        smallest.reason = (
+            f"does not fit: {_size(smallest.memory.peak)} > {_size(cap * _GIB)} usable per GPU even at "
+            f"micro-batch {smallest.micro_batch}, ZeRO-{smallest.zero_stage}, checkpointing "
+            f"{'on' if smallest.checkpointing else 'off'}; shard the model (tp, pp) or use more GPUs"
+        )
         return smallest
     best = min(tried, key=lambda c: c.predicted_ms)
     if layout.tp > 1 and best.links.get("tp") == "inter" and not tp_across_nodes:
-        best.reason = (f"tp group crosses nodes: {2 * config.n_layers * 2} all-reduces per micro-batch on the "
-                       f"inter-node link ({best.parts_ms['tp']:.1f} ms predicted); keep tp <= "
-                       f"{cluster.gpus_per_node} GPUs per node (Narayanan et al. 2021, section 3.2, takeaway #1)")
+        best.reason = (
+            f"tp group crosses nodes: {2 * config.n_layers * 2} all-reduces per micro-batch on the "
+            f"inter-node link ({best.parts_ms['tp']:.1f} ms predicted); keep tp <= "
+            f"{cluster.gpus_per_node} GPUs per node (Narayanan et al. 2021, section 3.2, takeaway #1)"
+        )
     return best
 
 

@@ -103,8 +103,9 @@ def clock() -> float:
 # ---------------------------------------------------------- process group
 
 
-def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist.Store,
-                       timeout: timedelta) -> None:
+def init_process_group(
+    cluster: Cluster, rank: int, world_size: int, store: dist.Store, timeout: timedelta
+) -> None:
     """The default group of one launched rank: NCCL on a GPU cluster, the emulated backend else.
 
     On the virtual clock each emulated GPU computes on one intra-op thread (its clock is that
@@ -125,8 +126,14 @@ def init_process_group(cluster: Cluster, rank: int, world_size: int, store: dist
         if cluster.memory_gib:
             cap_above_baseline(local_rank, cluster.memory_gib)
         backend, extra = "nccl", {"device_id": torch.device("cuda", local_rank)}
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
-                            timeout=timeout, **extra)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        **extra,
+    )
 
 
 _BASELINE_ENV = "LABKIT_GPU_BASELINE_BYTES"  # this rank's allocated bytes once warm, read by the memory stats
@@ -257,7 +264,9 @@ def peak_bytes() -> tuple[int, str] | None:
     """(peak bytes since the last reset, what measured it) on this rank; None when nothing
     tracks memory here (the CPU without an emulated budget: use `labkit.measure`)."""
     if on_gpu():
-        source = "torch.cuda.max_memory_allocated" + (", net of the warm baseline" if gpu_baseline_bytes() else "")
+        source = "torch.cuda.max_memory_allocated" + (
+            ", net of the warm baseline" if gpu_baseline_bytes() else ""
+        )
         return max_memory_allocated(device()), source
     budget = emulate.active_budget()
     return (budget.peak, "emulated budget") if budget is not None else None

@@ -39,12 +39,14 @@ def rank_order(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[tup
         return order + [("B", rank, i) for i in range(m - warm, m)]
     # interleaved: forwards visit chunk 0 for p micro-batches, then chunk 1, ...; backwards the chunks reversed
     fwd = [("F", c * p + rank, g * p + j) for g in range(m // p) for c in range(v) for j in range(p)]
-    bwd = [("B", c * p + rank, g * p + j) for g in range(m // p) for c in reversed(range(v)) for j in range(p)]
+    bwd = [
+        ("B", c * p + rank, g * p + j) for g in range(m // p) for c in reversed(range(v)) for j in range(p)
+    ]
     warm = min((p - rank - 1) * 2 + (v - 1) * p, len(fwd))
     order = fwd[:warm]
     for i in range(len(fwd) - warm):
         order += [fwd[warm + i], bwd[i]]
-    return order + bwd[len(fwd) - warm:]
+    return order + bwd[len(fwd) - warm :]
 
 
 @dataclass
@@ -68,8 +70,10 @@ def simulate(schedule: str, p: int, m: int, v: int = 1) -> Simulation:
     if schedule != "interleaved_1f1b":
         v = 1
     elif m % p:
-        raise ValueError(f"interleaved 1F1B takes micro-batches in groups of p: m={m} is not a multiple of p={p}; "
-                         f"use m={max(p, m // p * p)}")
+        raise ValueError(
+            f"interleaved 1F1B takes micro-batches in groups of p: m={m} is not a multiple of p={p}; "
+            f"use m={max(p, m // p * p)}"
+        )
     stages = p * v
     orders = [rank_order(schedule, p, m, r, v) for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
@@ -81,9 +85,11 @@ def simulate(schedule: str, p: int, m: int, v: int = 1) -> Simulation:
             if nxt[r] >= len(orders[r]):
                 continue
             kind, k, i = orders[r][nxt[r]]
-            deps = ([("F", k - 1, i)] if kind == "F" and k > 0 else []) + \
-                   ([("B", k + 1, i)] if kind == "B" and k < stages - 1 else []) + \
-                   ([("F", k, i)] if kind == "B" else [])
+            deps = (
+                ([("F", k - 1, i)] if kind == "F" and k > 0 else [])
+                + ([("B", k + 1, i)] if kind == "B" and k < stages - 1 else [])
+                + ([("F", k, i)] if kind == "B" else [])
+            )
             if all(d in done for d in deps):
                 start = max([free[r]] + [done[d] for d in deps])
                 end = start + (1.0 if kind == "F" else 2.0) / v
@@ -92,7 +98,9 @@ def simulate(schedule: str, p: int, m: int, v: int = 1) -> Simulation:
                 nxt[r] += 1
                 progressed = True
         if not progressed:  # an order that waits on itself: a bug in rank_order, never a learner's input
-            raise RuntimeError(f"{schedule} with p={p}, m={m}, v={v} deadlocked at {[orders[r][nxt[r]] for r in range(p)]}")
+            raise RuntimeError(
+                f"{schedule} with p={p}, m={m}, v={v} deadlocked at {[orders[r][nxt[r]] for r in range(p)]}"
+            )
     step = max(free)
     busy = sum(e - a for rs in spans for *_, a, e in rs)
     held = []

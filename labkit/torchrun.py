@@ -23,9 +23,10 @@ from __future__ import annotations
 import atexit
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,9 +43,11 @@ def under_torchrun() -> bool:
 
 def external_ranks() -> tuple[str, int, int] | None:
     """(launcher, this task, tasks) when srun or mpirun started this process as one of several, else None."""
-    for launcher, rank_var, size_var in (("srun", "SLURM_PROCID", "SLURM_NTASKS"),
-                                         ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                                         ("mpirun", "PMI_RANK", "PMI_SIZE")):
+    for launcher, rank_var, size_var in (
+        ("srun", "SLURM_PROCID", "SLURM_NTASKS"),
+        ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("mpirun", "PMI_RANK", "PMI_SIZE"),
+    ):
         size = os.environ.get(size_var, "")
         if size.isdigit() and int(size) > 1 and rank_var in os.environ:
             return launcher, int(os.environ[rank_var]), int(size)
@@ -59,7 +62,8 @@ def check_cluster(cluster: Any) -> None:
             f"launch(cluster={cluster if isinstance(cluster, str) else 'Cluster.emulated(...)'!r}) under torchrun: "
             "the emulated cluster (modelled links, virtual clock, memory budget) needs the ranks labkit.launch starts "
             "itself, and torchrun has started them. Run the script without torchrun for the emulated cluster, or "
-            "pass cluster='auto' (NCCL on GPUs, plain gloo on CPUs) under torchrun.")
+            "pass cluster='auto' (NCCL on GPUs, plain gloo on CPUs) under torchrun."
+        )
 
 
 def init_group(timeout: timedelta, memory_gib: float | None = None) -> bool:
@@ -73,15 +77,19 @@ def init_group(timeout: timedelta, memory_gib: float | None = None) -> bool:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     gpus = torch.cuda.device_count()
     if local_world > gpus:
-        raise ValueError(f"torchrun started {local_world} processes on this node, which has {gpus} visible GPU(s) "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one process per "
-                         f"GPU, so --nproc-per-node {gpus}")
+        raise ValueError(
+            f"torchrun started {local_world} processes on this node, which has {gpus} visible GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one process per "
+            f"GPU, so --nproc-per-node {gpus}"
+        )
     torch.cuda.set_device(local_rank)
     if memory_gib:  # above what the warm process holds (cuBLAS workspaces), as for the ranks launch starts
         runtime.cap_above_baseline(local_rank, memory_gib)
     # The flight recorder, read at the group's creation: a hang leaves dumps (python -m labkit.flight_recorder)
     if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
-        (Path.cwd() / "nccl_dumps").mkdir(exist_ok=True)  # the writer opens <prefix><rank>, it makes no folder
+        (Path.cwd() / "nccl_dumps").mkdir(
+            exist_ok=True
+        )  # the writer opens <prefix><rank>, it makes no folder
     for key, value in flight_recorder.env_for(Path.cwd() / "nccl_dumps").items():
         os.environ.setdefault(key, value)
     # CPU tensors go over gloo, CUDA tensors over NCCL (torch.distributed's per-device backends)
@@ -89,8 +97,14 @@ def init_group(timeout: timedelta, memory_gib: float | None = None) -> bool:
     return True
 
 
-def run(fn: Callable[..., Any], args: tuple, kwargs: dict, world_size: int, timeout_s: float,
-        cluster: Any = "auto") -> list[Any]:
+def run(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    world_size: int,
+    timeout_s: float,
+    cluster: Any = "auto",
+) -> list[Any]:
     """Run `fn` on this torchrun rank and return every rank's result, in rank order (see the module docstring)."""
     from labkit.launcher import RankError  # the launcher imports this module
     from labkit.worker import to_cpu
@@ -98,7 +112,8 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, world_size: int, time
     if world_size != int(os.environ["WORLD_SIZE"]):
         raise ValueError(
             f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
-            "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node).")
+            "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node)."
+        )
     check_cluster(cluster)
     # The group outlives this launch: a script's next launch reuses it. Destroying and re-creating it at once
     # raced in gloo's rendezvous (a rank read its peer's address from the old group: "Connection refused").
@@ -114,8 +129,13 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, world_size: int, time
     failed = [(rank, info) for rank, (ok, info) in enumerate(gathered) if not ok]
     if failed:
         rank, (name, message, remote) = failed[0]
-        raise RankError(f"rank {rank} raised {name}: {message}\n\n{remote}", rank=rank, kind="raised",
-                        exc_type=name, remote_traceback=remote) from error
+        raise RankError(
+            f"rank {rank} raised {name}: {message}\n\n{remote}",
+            rank=rank,
+            kind="raised",
+            exc_type=name,
+            remote_traceback=remote,
+        ) from error
     return [value for _, value in gathered]
 
 

@@ -61,12 +61,14 @@ def _watch_launcher(pid: int) -> None:
 def to_cpu(value: Any) -> Any:
     """Detach tensors and move them to the CPU so the parent can unpickle without CUDA: in lists, tuples, dicts
     (pytree's containers) and dataclasses (a result type such as `DPResult`), at any depth."""
+
     def leaf(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return v.detach().cpu()
         if dataclasses.is_dataclass(v) and not isinstance(v, type):  # pytree does not walk these
-            return dataclasses.replace(v, **{f.name: to_cpu(getattr(v, f.name)) for f in dataclasses.fields(v)
-                                             if f.init})
+            return dataclasses.replace(
+                v, **{f.name: to_cpu(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+            )
         return v
 
     return compat.tree_map(leaf, value)
@@ -93,7 +95,9 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
 
 
-def _rank_env(rank: int, world_size: int, cluster: Cluster, cluster_json: str, run_dir: str) -> dict[str, str]:
+def _rank_env(
+    rank: int, world_size: int, cluster: Cluster, cluster_json: str, run_dir: str
+) -> dict[str, str]:
     """The environment of a rank, as torchrun would set it, plus what labkit's ranks read."""
     per_node = max(1, cluster.gpus_per_node)
     return {
@@ -132,8 +136,14 @@ def _failure_info(exc: BaseException) -> dict[str, Any]:
         cloudpickle.loads(pickled)
     except Exception:
         pickled = None
-    return {"ok": False, "type": type(exc).__name__, "module": type(exc).__module__, "message": str(exc),
-            "traceback": traceback.format_exc(), "exception": pickled}
+    return {
+        "ok": False,
+        "type": type(exc).__name__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+        "traceback": traceback.format_exc(),
+        "exception": pickled,
+    }
 
 
 def main(
@@ -161,11 +171,15 @@ def main(
         runtime.init_process_group(cluster, rank, world_size, store, timeout)
         fn, args, kwargs = cloudpickle.loads(payload)
         budget = cluster.is_emulated and cluster.memory_gib
-        with emulate.MemoryBudget(int(cluster.memory_gib * 2**30), rank=rank) if budget else contextlib.nullcontext():
+        with (
+            emulate.MemoryBudget(int(cluster.memory_gib * 2**30), rank=rank)
+            if budget
+            else contextlib.nullcontext()
+        ):
             result = fn(*args, **kwargs)
         _write_atomic(out / f"rank{rank}.result", cloudpickle.dumps({"ok": True, "value": to_cpu(result)}))
         status = 0
-    except BaseException as exc:  # noqa: BLE001 (report everything, even SystemExit)
+    except BaseException as exc:
         _write_atomic(out / f"rank{rank}.result", cloudpickle.dumps(_failure_info(exc)))
     finally:
         with contextlib.suppress(Exception):

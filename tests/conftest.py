@@ -15,7 +15,9 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA; without it they are skipped and the summary (-ra) says why."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); tests/gpu_check.sh runs these on a GPU node")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (none here); tests/gpu_check.sh runs these on a GPU node"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

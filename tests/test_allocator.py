@@ -40,8 +40,15 @@ def test_a_small_request_is_packed_in_a_2_mib_segment():
     a = CachingAllocator(2**30)
     a.malloc(KiB)
     assert (a.allocated, a.reserved) == (KiB, 2 * MiB)
-    assert a.segments() == [{"address": 0, "pool": "small", "expandable": False, "size": 2 * MiB,
-                             "blocks": [(0, KiB, True), (KiB, 2 * MiB - KiB, False)]}]
+    assert a.segments() == [
+        {
+            "address": 0,
+            "pool": "small",
+            "expandable": False,
+            "size": 2 * MiB,
+            "blocks": [(0, KiB, True), (KiB, 2 * MiB - KiB, False)],
+        }
+    ]
     assert a.inactive_split == a.free_cached == a.largest_free_block == 2 * MiB - KiB
 
 
@@ -142,12 +149,20 @@ def _every_other(a: CachingAllocator) -> None:
 def test_fragmentation_oom_has_enough_free_bytes_but_no_block_large_enough():
     a = CachingAllocator(160 * MiB)
     _every_other(a)
-    assert (a.allocated, a.reserved, a.free_cached, a.largest_free_block) == (80 * MiB, 160 * MiB, 80 * MiB, 20 * MiB)
+    assert (a.allocated, a.reserved, a.free_cached, a.largest_free_block) == (
+        80 * MiB,
+        160 * MiB,
+        80 * MiB,
+        20 * MiB,
+    )
     assert a.inactive_split == 80 * MiB  # free, but in a split segment: release_cached_blocks can't free it
     with pytest.raises(torch.OutOfMemoryError) as info:
         a.malloc(40 * MiB)  # 80 MiB free in the cache, largest piece 20 MiB, the device full
     msg = str(info.value)
-    assert "Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 160.00 MiB of which 0 bytes is free" in msg
+    assert (
+        "Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 160.00 MiB of which 0 bytes is free"
+        in msg
+    )
     assert "80.00 MiB is allocated by PyTorch, and 80.00 MiB is reserved by PyTorch but unallocated" in msg
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg
     assert "Largest free cached block: 20.00 MiB" in msg and "(emulated caching allocator)" in msg
@@ -273,7 +288,12 @@ def test_oom_without_a_fragmented_cache_does_not_suggest_expandable_segments():
     assert "Tried to allocate 40.00 MiB" in msg and "of which 32.00 MiB is free" in msg
     assert "0 bytes is reserved by PyTorch but unallocated" in msg and "expandable_segments" not in msg
     assert [format_size(n) for n in (1024, 1025, MiB, 20 * MiB, 3 * 2**29)] == [
-        "1024 bytes", "1.00 KiB", "1024.00 KiB", "20.00 MiB", "1.50 GiB"]
+        "1024 bytes",
+        "1.00 KiB",
+        "1024.00 KiB",
+        "20.00 MiB",
+        "1.50 GiB",
+    ]
 
 
 # ------------------------------------------------------------------ MemoryBudget with an allocator
@@ -322,7 +342,11 @@ def test_budget_with_an_allocator_frees_reserves_and_resets():
         y = torch.empty(256)
         assert (mine.allocated, mine.reserved) == (1024, 2 * MiB)
         del y
-    with pytest.raises(ValueError, match=r"allocator.capacity_bytes=16777216 must equal limit_bytes=33554432"):
+    with pytest.raises(
+        ValueError, match=r"allocator.capacity_bytes=16777216 must equal limit_bytes=33554432"
+    ):
         MemoryBudget(32 * MiB, allocator=mine)
-    with pytest.raises(ValueError, match=r"MemoryBudget allocator='cuda' must be one of 'caching', 'expandable'"):
+    with pytest.raises(
+        ValueError, match=r"MemoryBudget allocator='cuda' must be one of 'caching', 'expandable'"
+    ):
         MemoryBudget(32 * MiB, allocator="cuda")

@@ -42,24 +42,36 @@ def _emulated(tmp: Path, rank: int, compute, colls, phases=(), host_ops=()) -> N
 
 def test_the_emulated_device_timeline_is_read_with_names_from_the_host_trace(tmp_path):
     # compute 0-4 and 6-10; a 1 MiB all-reduce 4-6 the rank waited for; data loading 0-2
-    _emulated(tmp_path, 0, [(0, 4), (6, 10)], [("all_reduce #1", 4, 6, 2**20)], [("data", 0, 2)],
-              [("aten::mm", 2, 1.5), ("aten::add", 2.2, 0.3), ("aten::item", 9, 0.5)])
+    _emulated(
+        tmp_path,
+        0,
+        [(0, 4), (6, 10)],
+        [("all_reduce #1", 4, 6, 2**20)],
+        [("data", 0, 2)],
+        [("aten::mm", 2, 1.5), ("aten::add", 2.2, 0.3), ("aten::item", 9, 0.5)],
+    )
     (b,) = analyze(tmp_path)
     assert b.source == "emulated device timeline" and b.steps == 1
     assert (b.step_ms, b.compute_ms, b.data_ms, b.wait_ms, b.comm_ms) == (10, 6, 2, 2, 2)
     assert b.exposed_comm_ms == 2 and b.overlap_pct == 0 and b.collectives == 1 and b.comm_bytes == 2**20
     assert b.host_syncs == 1 and b.host_sync_ms == 0.5
-    assert dict(b.top_ops)["aten::mm"] == pytest.approx(1.2) and dict(b.top_ops)["aten::add"] == pytest.approx(0.3)  # self time
+    assert dict(b.top_ops)["aten::mm"] == pytest.approx(1.2) and dict(b.top_ops)[
+        "aten::add"
+    ] == pytest.approx(0.3)  # self time
     (c,) = b.step_collectives
     assert (c.waited_ms, c.compute_before_ms, c.compute_after_ms, c.nbytes) == (2, 4, 4, 2**20)
 
 
 def test_gpu_kernels_decide_compute_and_communication(tmp_path):
     # the host span "backward" covers everything, but only kernels count: compute 0-5, NCCL 3-7
-    events = [_step(), _x("backward", "user_annotation", 0, 9), _x("sm80_gemm", "kernel", 0, 5, tid=7),
-              _x("ncclDevKernel_AllReduce_Sum_f32", "kernel", 3, 4, tid=8),
-              _x("cudaStreamSynchronize", "cuda_runtime", 7, 2),
-              _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation", 0, 1)]
+    events = [
+        _step(),
+        _x("backward", "user_annotation", 0, 9),
+        _x("sm80_gemm", "kernel", 0, 5, tid=7),
+        _x("ncclDevKernel_AllReduce_Sum_f32", "kernel", 3, 4, tid=8),
+        _x("cudaStreamSynchronize", "cuda_runtime", 7, 2),
+        _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation", 0, 1),
+    ]
     _write(tmp_path / "trace_rank0.json", events, 0)
     (b,) = analyze([tmp_path / "trace_rank0.json"])
     assert b.source == "GPU kernels"
@@ -70,8 +82,12 @@ def test_gpu_kernels_decide_compute_and_communication(tmp_path):
 
 def test_a_cpu_host_trace_alone_uses_its_lanes(tmp_path):
     # the main thread computes 0-6 and then blocks in c10d::allreduce_ while gloo's thread moves the data
-    events = [_step(), _x("aten::mm", "cpu_op", 0, 6), _x("c10d::allreduce_", "cpu_op", 6, 3),
-              _x("gloo:all_reduce", "cpu_op", 6, 3, tid=5)]
+    events = [
+        _step(),
+        _x("aten::mm", "cpu_op", 0, 6),
+        _x("c10d::allreduce_", "cpu_op", 6, 3),
+        _x("gloo:all_reduce", "cpu_op", 6, 3, tid=5),
+    ]
     _write(tmp_path / "trace_rank0.json", events, 0)
     (b,) = analyze(tmp_path)
     assert b.source == "CPU host trace"
@@ -118,7 +134,9 @@ def test_diagnose_small_collectives_and_a_sync_collective(tmp_path):
     many = [(f"all_reduce #{i}", 6 + 0.2 * i, 6 + 0.2 * (i + 1), 4096) for i in range(20)]
     sync = [("all_gather #1", 3, 5, 4 * 2**20)]
     for r in (0, 1):
-        _emulated(tmp_path / "small", r, [(0, 6)], many)  # blocked 6-10 on 20 small all-reduces after backward
+        _emulated(
+            tmp_path / "small", r, [(0, 6)], many
+        )  # blocked 6-10 on 20 small all-reduces after backward
         _emulated(tmp_path / "sync", r, [(0, 3), (5, 10)], sync)  # waits mid-step, 5 ms of compute after
     assert diagnose(tmp_path / "small").kind == "small_collectives"
     d = diagnose(tmp_path / "sync")

@@ -42,20 +42,33 @@ pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
 
 def _lab_cells(*needles: str) -> list[dict]:
     nb = json.loads((ROOT / "labs" / "02_oom_batch.ipynb").read_text())
-    cells = [c for c in nb["cells"] if c["cell_type"] == "code" and any(n in "".join(c["source"]) for n in needles)]
+    cells = [
+        c for c in nb["cells"] if c["cell_type"] == "code" and any(n in "".join(c["source"]) for n in needles)
+    ]
     assert len(cells) == len(needles), f"lab 02 should hold one cell for each of {needles}"
     return cells
 
 
 def _notebook(path: Path) -> None:
-    cells = [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
-              "source": ["import labkit\n", "import labkit.quiz\n", "import labkit.widgets"]}]
+    cells = [
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "execution_count": None,
+            "outputs": [],
+            "source": ["import labkit\n", "import labkit.quiz\n", "import labkit.widgets"],
+        }
+    ]
     cells += _lab_cells("labkit.widgets.memory_calculator(", "labkit.quiz.show(")
     for i, c in enumerate(cells):
         c["id"] = f"cell{i}"
         c["outputs"], c["execution_count"] = [], None
-    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                      "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+    nb = {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     path.write_text(json.dumps(nb))
 
 
@@ -75,10 +88,26 @@ def jupyterlab(tmp_path):
     env["JUPYTER_CONFIG_DIR"] = str(tmp_path / "config")  # no user settings, no "what's new" pop-ups
     log = open(tmp_path / "jupyterlab.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}", "--allow-root",
-         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={TOKEN}",
+            f"--ServerApp.root_dir={tmp_path}",
+            "--allow-root",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -89,7 +118,9 @@ def jupyterlab(tmp_path):
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.flush()
-                    pytest.fail(f"JupyterLab did not start: {(tmp_path / 'jupyterlab.log').read_text()[-2000:]}")
+                    pytest.fail(
+                        f"JupyterLab did not start: {(tmp_path / 'jupyterlab.log').read_text()[-2000:]}"
+                    )
                 time.sleep(0.3)
         yield url
     finally:
@@ -113,7 +144,9 @@ def test_a_lab_runs_its_calculator_and_quiz_in_chromium(jupyterlab):
             page.goto(f"{jupyterlab}/lab/tree/browser_check.ipynb?token={TOKEN}")
             expect(page.locator(".jp-Notebook .jp-Cell").first).to_be_visible()
             # the status bar says when the kernel is connected and idle; Run All before that runs nothing
-            expect(page.get_by_role("button", name=re.compile(r"Python 3 \(ipykernel\) \| Idle"))).to_be_visible()
+            expect(
+                page.get_by_role("button", name=re.compile(r"Python 3 \(ipykernel\) \| Idle"))
+            ).to_be_visible()
             page.get_by_role("menuitem", name="Run", exact=True).click()
             page.get_by_role("menuitem", name=re.compile("^Run All Cells")).click()
 
@@ -130,6 +163,8 @@ def test_a_lab_runs_its_calculator_and_quiz_in_chromium(jupyterlab):
             question = page.locator(".widget-vbox:has(> .widget-radio)").first  # one question's box
             question.locator(".widget-radio-box input").first.check()
             question.get_by_role("button", name="Check").click()
-            expect(question.locator(".widget-html-content", has_text=re.compile("Right|Not quite"))).to_be_visible()
+            expect(
+                question.locator(".widget-html-content", has_text=re.compile("Right|Not quite"))
+            ).to_be_visible()
         finally:
             browser.close()

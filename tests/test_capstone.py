@@ -26,8 +26,13 @@ def test_the_seed_deals_every_combination_and_hides_the_answer():
     for seed in range(40):
         cap = draw(seed)
         changed = {k for k, v in dataclasses.asdict(cap.job).items() if getattr(cap.clean, k) != v}
-        knobs = {"oom_batch": "micro_batch", "per_tensor_allreduce": "grad_sync", "straggler": "eval_rank",
-                 "data_loading": "tokenize", "sync_logging": "accuracy"}
+        knobs = {
+            "oom_batch": "micro_batch",
+            "per_tensor_allreduce": "grad_sync",
+            "straggler": "eval_rank",
+            "data_loading": "tokenize",
+            "sync_logging": "accuracy",
+        }
         assert changed == {knobs[m] for m in cap.planted}, seed
         assert planted_by_knobs(cap.job) == set(cap.planted) - {"oom_batch"}
         assert cap.job.global_batch == cap.clean.global_batch
@@ -49,7 +54,9 @@ def test_the_gpu_memory_fits_the_clean_job_and_its_logging_but_not_the_whole_bat
     assert all(0.5 * cap.memory_mib < p < 0.95 * cap.memory_mib for p in peaks), (peaks, cap.memory_mib)
     assert peaks[1] > peaks[0]  # the gathered logits take memory too
     with pytest.raises(RankError) as info:
-        launch(train, cap, [dataclasses.replace(clean, micro_batch=8)], str(tmp_path), world_size=2, cluster=CPU)
+        launch(
+            train, cap, [dataclasses.replace(clean, micro_batch=8)], str(tmp_path), world_size=2, cluster=CPU
+        )
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
 
 
@@ -66,8 +73,13 @@ def test_the_check_names_what_is_left_and_passes_the_full_fix(tmp_path):
     # the data loading left as it was, and the contract changed
     half = dataclasses.replace(cap.job, micro_batch=4, grad_sync="ddp", global_batch=32)
     with pytest.raises(AssertionError) as info:
-        check_capstone(cap, {"oom_batch", "per_tensor_allreduce", "straggler"}, half, cluster=CPU,
-                       trace_dir=tmp_path / "b")
+        check_capstone(
+            cap,
+            {"oom_batch", "per_tensor_allreduce", "straggler"},
+            half,
+            cluster=CPU,
+            trace_dir=tmp_path / "b",
+        )
     left = str(info.value).split("what is left:")[1]
     assert "data_loading is not fixed: the fixed job still plants it" in left
     assert "data_loading was planted and not named in found" in left

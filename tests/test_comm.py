@@ -307,6 +307,15 @@ def test_on_a_gpu_the_collectives_are_timed_by_cuda_events_around_them(monkeypat
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(bandwidth, "_start", lambda *a: order.append("start op") or Work())
     seconds = bandwidth._run("all_reduce", 3, Buffer(), Buffer(), 0, None)
-    assert order == ["record start", "start op", "start op", "start op", "wait", "wait", "wait", "record end",
-                     "synchronize"]
+    assert order == [
+        "record start",
+        "start op",
+        "start op",
+        "start op",
+        "wait",
+        "wait",
+        "wait",
+        "record end",
+        "synchronize",
+    ]
     assert seconds == pytest.approx(12.0 / 1e3 / 3)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import statistics
-
 import os
+import statistics
 from pathlib import Path
 
 import pytest
 
 from labkit.experiments.unoverlapped_comms import summarize_steps, train_steps
-from labkit.parallel.data import OverlappedDDP
 from labkit.models import GPTConfig
+from labkit.parallel.data import OverlappedDDP
 
 TINY = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16)
 N_TENSORS = 2 * 12 + 5  # 12 per block; tok_emb, pos_emb, ln_f (2), lm_head
@@ -29,8 +28,14 @@ class ZeroingDDP(OverlappedDDP):
 def worker_all_modes(trace_dir: str) -> dict:
     return train_steps(
         ["compute", "comm_naive", "naive", "comm_overlapped", "overlapped", "torch_ddp"],
-        TINY, 4, steps=2, warmup=1, bucket_cap_mb=0.01, trace_modes=["naive", "overlapped"],
-        trace_dir=trace_dir, trace_steps=1,
+        TINY,
+        4,
+        steps=2,
+        warmup=1,
+        bucket_cap_mb=0.01,
+        trace_modes=["naive", "overlapped"],
+        trace_dir=trace_dir,
+        trace_steps=1,
     )
 
 
@@ -81,12 +86,16 @@ def test_summary_counts_collectives_and_matches_single_process(all_modes):
         assert row["ms_steps"] == per_step and min(per_step) <= row["ms"] <= max(per_step)
         assert row["cpu_ms"] > 0
         # the step's own compute: its time less the waits for collectives (virtual clock), slowest rank
-        per_rank = [[ms - w for ms, w in zip(r["modes"][mode]["ms"], r["modes"][mode]["waited_ms"])]
-                    for r in all_modes]
+        per_rank = [
+            [ms - w for ms, w in zip(r["modes"][mode]["ms"], r["modes"][mode]["waited_ms"])]
+            for r in all_modes
+        ]
         own = [max(step) for step in zip(*per_rank)]
         assert row["compute_ms"] == statistics.median(own) and 0 < row["compute_ms"] <= row["ms"]
     assert s["compute"]["compute_ms"] == pytest.approx(s["compute"]["ms"])  # no collective: nothing waited
-    assert s["comm_naive"]["compute_ms"] < s["comm_naive"]["ms"]  # communication alone waited for its collectives
+    assert (
+        s["comm_naive"]["compute_ms"] < s["comm_naive"]["ms"]
+    )  # communication alone waited for its collectives
     summary = all_modes[0]["modes"]["overlapped"]["bucket_summary"]
     assert len(summary) == buckets and summary[0]["names"][0] == "lm_head.weight"
 

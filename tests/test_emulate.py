@@ -14,7 +14,9 @@ from labkit import Cluster, Link, MemoryBudget, launch
 from labkit.links import collective_time_s
 
 
-def _cluster(bw: float = 1.0, latency_us: float = 10.0, nodes: int = 1, gpus_per_node: int = 2, **kw) -> Cluster:
+def _cluster(
+    bw: float = 1.0, latency_us: float = 10.0, nodes: int = 1, gpus_per_node: int = 2, **kw
+) -> Cluster:
     return Cluster.emulated(
         nodes=nodes,
         gpus_per_node=gpus_per_node,
@@ -71,8 +73,9 @@ def _time_allreduce(mib: int, iters: int) -> list[tuple[float, float]]:
 
 def test_allreduce_charges_the_ring_time_and_never_beats_it():
     model = collective_time_s("all_reduce", 16 * 2**20, 2, Link(1.0, 10.0))
-    for rank_times in launch(_time_allreduce, 16, 3, world_size=2,
-                             cluster=_cluster(bw=1.0, latency_us=10.0, clock="wall")):
+    for rank_times in launch(
+        _time_allreduce, 16, 3, world_size=2, cluster=_cluster(bw=1.0, latency_us=10.0, clock="wall")
+    ):
         for measured, charged in rank_times:
             assert charged == pytest.approx(model)
             assert measured >= model, f"{measured * 1e3:.2f} ms beat the model's {model * 1e3:.2f} ms"
@@ -83,9 +86,13 @@ def test_allreduce_takes_the_modelled_time_when_the_link_is_the_bottleneck():
     # even on a loaded runner: the modelled link, not the machine, decides the time, and the
     # emulator must add nothing of its own beyond a 20 % margin (median of 3).
     model = collective_time_s("all_reduce", 64 * 2**20, 2, Link(0.1, 10.0))
-    rank_times = launch(_time_allreduce, 64, 3, world_size=2, cluster=_cluster(bw=0.1, latency_us=10.0, clock="wall"))[0]
+    rank_times = launch(
+        _time_allreduce, 64, 3, world_size=2, cluster=_cluster(bw=0.1, latency_us=10.0, clock="wall")
+    )[0]
     median = sorted(measured for measured, _ in rank_times)[1]
-    assert median == pytest.approx(model, rel=0.20), f"median {median * 1e3:.0f} ms vs model {model * 1e3:.0f} ms"
+    assert median == pytest.approx(model, rel=0.20), (
+        f"median {median * 1e3:.0f} ms vs model {model * 1e3:.0f} ms"
+    )
 
 
 def _async_overlaps(mib: int) -> tuple[bool, float]:
@@ -100,17 +107,21 @@ def _async_overlaps(mib: int) -> tuple[bool, float]:
 
 def test_async_collective_returns_at_once_and_completes_later():
     # 64 MiB at 0.1 GB/s is modelled at 0.67 s: the call returns long before that.
-    (done_at_issue, total), _ = launch(_async_overlaps, 64, world_size=2, cluster=_cluster(bw=0.1, clock="wall"))
+    (done_at_issue, total), _ = launch(
+        _async_overlaps, 64, world_size=2, cluster=_cluster(bw=0.1, clock="wall")
+    )
     assert not done_at_issue
     assert total >= collective_time_s("all_reduce", 64 * 2**20, 2, Link(0.1, 10.0))
 
 
 def test_slowest_link_decides():
     # one timed 4 MiB all_reduce -> [(measured s, charged s)] on each rank
-    (intra,), _ = launch(_time_allreduce, 4, 1, world_size=2,
-                         cluster=_cluster(bw=0.2, nodes=1, gpus_per_node=2, clock="wall"))
-    (inter,), _ = launch(_time_allreduce, 4, 1, world_size=2,
-                         cluster=_cluster(bw=0.2, nodes=2, gpus_per_node=1, clock="wall"))
+    (intra,), _ = launch(
+        _time_allreduce, 4, 1, world_size=2, cluster=_cluster(bw=0.2, nodes=1, gpus_per_node=2, clock="wall")
+    )
+    (inter,), _ = launch(
+        _time_allreduce, 4, 1, world_size=2, cluster=_cluster(bw=0.2, nodes=2, gpus_per_node=1, clock="wall")
+    )
     # the inter-node link is 10x slower in _cluster, and a 2-node all-reduce must cross it
     assert intra[1] == pytest.approx(collective_time_s("all_reduce", 4 * 2**20, 2, Link(0.2, 10.0)))
     inter_model = collective_time_s("all_reduce", 4 * 2**20, 2, Link(0.02, 100.0))

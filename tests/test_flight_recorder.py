@@ -12,9 +12,17 @@ from labkit.emulate import diagnose_hang
 
 
 def _entry(seq: int, state: str, name: str = "nccl:all_reduce", size=(1024,)) -> dict:
-    return {"record_id": seq, "collective_seq_id": seq, "p2p_seq_id": 0, "profiling_name": name, "state": state,
-            "input_sizes": [list(size)], "output_sizes": [list(size)], "input_dtypes": ["Float"],
-            "process_group": ("0", "default_pg")}
+    return {
+        "record_id": seq,
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "profiling_name": name,
+        "state": state,
+        "input_sizes": [list(size)],
+        "output_sizes": [list(size)],
+        "input_dtypes": ["Float"],
+        "process_group": ("0", "default_pg"),
+    }
 
 
 def _dump(tmp_path, rank: int, entries: list[dict]) -> None:
@@ -65,7 +73,9 @@ def test_after_a_torchrun_job_hung_the_dumps_are_read_from_the_command_line(tmp_
     _dump(tmp_path, 1, [_entry(1, "completed")])
     assert flight_recorder.main([str(tmp_path), "--world-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "dumps of ranks [0, 1] of 2" in out and "all_reduce #2 (float[1024]) on rank 0 never completed" in out
+    assert (
+        "dumps of ranks [0, 1] of 2" in out and "all_reduce #2 (float[1024]) on rank 0 never completed" in out
+    )
     assert flight_recorder.main([str(tmp_path / "none"), "--world-size", "2"]) == 1
     assert "no readable dump" in capsys.readouterr().out
 
@@ -85,11 +95,20 @@ def test_torchrun_ranks_on_gpus_get_the_flight_recorder(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(
-        dump=__import__("os").environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
-        on_timeout=__import__("os").environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT")))
-    for key in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-                "TORCH_FR_BUFFER_SIZE"):
+    monkeypatch.setattr(
+        dist,
+        "init_process_group",
+        lambda backend, **kw: seen.update(
+            dump=__import__("os").environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+            on_timeout=__import__("os").environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT"),
+        ),
+    )
+    for key in (
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_FR_BUFFER_SIZE",
+    ):
         monkeypatch.setenv(key, "-")  # recorded, so that what init_group sets is undone after the test
         monkeypatch.delenv(key)
     monkeypatch.setenv("LOCAL_RANK", "0")

@@ -12,7 +12,9 @@ def test_the_pattern_fails_with_more_memory_free_than_the_request(fix):
     r = fragment(180, fix, device="cpu")
     assert r["oom"] is not None and "Tried to allocate 40.00 MiB" in r["oom"]
     # 80 MiB free in total, twice the request, but in 20 MiB holes between live blocks
-    assert r["free_cached_mib"] == 80.0 and r["free_cached_mib"] > REQUEST > r["largest_free_block_mib"] == 20.0
+    assert (
+        r["free_cached_mib"] == 80.0 and r["free_cached_mib"] > REQUEST > r["largest_free_block_mib"] == 20.0
+    )
     assert r["reserved_mib"] == 160.0 and r["allocated_mib"] == 80.0
     assert "expandable_segments:True" in r["oom"]
     (segment,) = r["segments"]

@@ -54,8 +54,13 @@ def _estimate_vs_allocator(micro_batch: int) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated(dev) - sum(p.numel() * p.element_size() for p in model.parameters()) \
-        - sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    baseline = (
+        torch.cuda.memory_allocated(dev)
+        - sum(p.numel() * p.element_size() for p in model.parameters())
+        - sum(
+            v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+        )
+    )
     torch.cuda.reset_peak_memory_stats(dev)
     model(x, y).backward()
     opt.step()
@@ -74,11 +79,12 @@ def test_the_memory_estimate_is_within_10_percent_of_cuda_net_of_the_baseline():
 
 
 def _traced_steps(path: str) -> str:
-    from labkit import runtime
-    from labkit.models import GPTConfig, synthetic_batch
-    from labkit.experiments.common import seeded_model
-    from labkit.trace import capture
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit import runtime
+    from labkit.experiments.common import seeded_model
+    from labkit.models import GPTConfig, synthetic_batch
+    from labkit.trace import capture
 
     config = GPTConfig(n_layers=2, d_model=256, n_heads=8, vocab_size=8192, seq_len=256)
     dev = runtime.device()
@@ -105,22 +111,36 @@ def test_a_cuda_trace_is_read_from_its_kernels(tmp_path):
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 # what each lab needs: labs 01 and 04 plan nodes and pipeline stages the emulated cluster holds; with fewer
 # GPUs than a lab's ranks, "gpu" is refused and "auto" picks the emulated cluster, as a learner's would
-NEEDS = {"00_cluster_tour": 2, "01_parallelism_choice": 8, "02_oom_batch": 2, "03_unoverlapped_comms": 2,
-         "04_imbalanced_pipeline": 4, "05_unprofiled_run": 2, "06_capstone": 2}
+NEEDS = {
+    "00_cluster_tour": 2,
+    "01_parallelism_choice": 8,
+    "02_oom_batch": 2,
+    "03_unoverlapped_comms": 2,
+    "04_imbalanced_pipeline": 4,
+    "05_unprofiled_run": 2,
+    "06_capstone": 2,
+}
 
 
 @pytest.mark.parametrize("nb", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
 def test_each_solution_notebook_on_the_gpus_there_are(nb, tmp_path):
     import papermill
-
     from test_labs import SMALL, _check_records
+
     from labkit.course.records import read_records
 
     need = NEEDS.get(nb.stem, 2)
     cluster = "gpu" if _gpus() >= need else "auto"
     params = {**SMALL.get(nb.stem, {}), "cluster": cluster}
-    papermill.execute_notebook(str(nb), str(tmp_path / nb.name), parameters=params, cwd=str(tmp_path),
-                               kernel_name="python3", execution_timeout=300, progress_bar=False)
+    papermill.execute_notebook(
+        str(nb),
+        str(tmp_path / nb.name),
+        parameters=params,
+        cwd=str(tmp_path),
+        kernel_name="python3",
+        execution_timeout=300,
+        progress_bar=False,
+    )
     rec = read_records(tmp_path / nb.name)
     if cluster == "auto" and Cluster.resolve("auto", need).is_emulated:
         _check_records(nb.stem, rec)  # the emulated run's own targets
@@ -132,8 +152,18 @@ def test_each_solution_notebook_on_the_gpus_there_are(nb, tmp_path):
 ONE_RANK_SCRIPTS = {"oom_batch", "unoverlapped_comms", "parallelism_choice"}
 
 
-@pytest.mark.parametrize("module", ["cluster_tour", "parallelism_choice", "oom_batch", "unoverlapped_comms",
-                                    "imbalanced_pipeline", "unprofiled_run", "capstone"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "cluster_tour",
+        "parallelism_choice",
+        "oom_batch",
+        "unoverlapped_comms",
+        "imbalanced_pipeline",
+        "unprofiled_run",
+        "capstone",
+    ],
+)
 def test_each_lab_script_under_torchrun_on_the_gpus_there_are(module, tmp_path):
     import json
     import subprocess
@@ -144,9 +174,23 @@ def test_each_lab_script_under_torchrun_on_the_gpus_there_are(module, tmp_path):
     n = _gpus()
     if n < 2 and module not in ONE_RANK_SCRIPTS:
         pytest.skip(f"labkit.experiments.{module} needs 2 ranks, {n} GPU here")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(min(n, 4)), "-m", f"labkit.experiments.{module}", *_argv(module, tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(min(n, 4)),
+            "-m",
+            f"labkit.experiments.{module}",
+            *_argv(module, tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rec = json.loads((tmp_path / f"{module}.json").read_text())
     assert rec["torchrun"] is True and rec["emulated"] is False and "measured on GPU" in rec["where"]

@@ -93,8 +93,13 @@ def test_cluster_detect_takes_the_link_of_the_visible_pairs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
-    monkeypatch.setattr(cluster_mod, "_nvidia_smi_topo", lambda: DGX_H100.replace("GPU1\tNV18", "GPU1\tNV8", 1)
-                        .replace("\tNV18\tNV18\tNV18\tPXB", "\tNV8\tNV18\tNV18\tPXB", 1))
+    monkeypatch.setattr(
+        cluster_mod,
+        "_nvidia_smi_topo",
+        lambda: DGX_H100.replace("GPU1\tNV18", "GPU1\tNV8", 1).replace(
+            "\tNV18\tNV18\tNV18\tPXB", "\tNV8\tNV18\tNV18\tPXB", 1
+        ),
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     node = cluster_mod.Cluster.detect()
     assert node.gpu_count == 2 and node.nccl_version == "2.21.5"

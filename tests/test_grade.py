@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_labs import _env
 
 from labkit.course.grade import grade_folder
-
-from test_labs import _env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,9 +21,27 @@ def test_grade_reports_a_finished_and_an_unfinished_lab(tmp_path):
     for learner, source in (("alice", "solutions"), ("bob", "labs")):
         (tmp_path / learner).mkdir()
         shutil.copy(ROOT / source / "00_cluster_tour.ipynb", tmp_path / learner / "00_cluster_tour.ipynb")
-    out = subprocess.run([sys.executable, "-m", "labkit.cli", "grade", str(tmp_path), "--csv", str(tmp_path / "g.csv"),
-                          "-p", "sizes_kib", "[4, 256]", "-p", "iters", "5"],
-                         capture_output=True, text=True, timeout=300, env=_env())
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "labkit.cli",
+            "grade",
+            str(tmp_path),
+            "--csv",
+            str(tmp_path / "g.csv"),
+            "-p",
+            "sizes_kib",
+            "[4, 256]",
+            "-p",
+            "iters",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = list(csv.DictReader(open(tmp_path / "g.csv")))
     status = {(r["learner"], r["check"]): r["status"] for r in rows}

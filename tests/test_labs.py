@@ -59,7 +59,9 @@ def _check_records(name: str, rec: dict) -> None:
         # Times on the emulated cluster's virtual clock are a model output: the course's targets
         # hold on a loaded runner too. The traces and counts say why.
         assert rec["emulated"] is True and rec["unit"] == "ms"
-        assert 0 < rec["limit"] and rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
+        assert (
+            0 < rec["limit"] and rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
+        )
         assert rec["overlap_pct_before"] < 5 < 50 < rec["overlap_pct_after"]
         assert rec["collectives_after"] < rec["collectives_before"]
         assert rec["max_abs_diff"] < 1e-5
@@ -68,7 +70,9 @@ def _check_records(name: str, rec: dict) -> None:
         assert rec["limit"] <= rec["after"] < rec["before"]
         assert rec["after"] / rec["limit"] <= 1.3 and rec["imbalance_after"] < rec["imbalance_before"]
         assert rec["bubble_formula"] == 3 / 11 and rec["micro_batches"] == 8  # the formula: a model output
-        assert rec["sizes_after"] != rec["sizes_before"] and sum(rec["sizes_after"]) == sum(rec["sizes_before"])
+        assert rec["sizes_after"] != rec["sizes_before"] and sum(rec["sizes_after"]) == sum(
+            rec["sizes_before"]
+        )
         assert rec["peak_mib_gpipe"][0] > 1.3 * rec["peak_mib_1f1b"][0]  # 1F1B saves memory, not time
         assert rec["max_abs_diff"] < 1e-5
     elif name == "05_unprofiled_run":
@@ -76,8 +80,11 @@ def _check_records(name: str, rec: dict) -> None:
         assert rec["limit"] <= rec["after"] * 1.25 and rec["after"] < rec["before"]  # identical jobs: +-13 %
         assert rec["diagnosed"] == rec["planted"]
         assert {r["planted"]: r["diagnosed"] for r in rec["gallery"]} == {
-            k: k for k in ("straggler", "data_loading", "small_collectives", "sync_collective")}
-    elif name == "06_capstone":  # seed 0: the batch does not fit, gradients all-reduced one by one, a slow tokenizer
+            k: k for k in ("straggler", "data_loading", "small_collectives", "sync_collective")
+        }
+    elif (
+        name == "06_capstone"
+    ):  # seed 0: the batch does not fit, gradients all-reduced one by one, a slow tokenizer
         assert rec["emulated"] is True and rec["unit"] == "ms" and rec["seed"] == 0 and rec["oom_at_start"]
         assert rec["found"] == ["data_loading", "oom_batch", "per_tensor_allreduce"]
         assert all(r["found"] and r["fixed"] for r in rec["rows"]) and len(rec["rows"]) == 3
@@ -87,8 +94,14 @@ def _check_records(name: str, rec: dict) -> None:
 
 # Labs whose notebook checks a wall-clock ratio: on a shared 2-core runner one noisy run can
 # miss its margin, so these get one more run before the test fails.
-TIMED = {"00_cluster_tour", "01_parallelism_choice", "03_unoverlapped_comms", "04_imbalanced_pipeline", "05_unprofiled_run",
-         "06_capstone"}
+TIMED = {
+    "00_cluster_tour",
+    "01_parallelism_choice",
+    "03_unoverlapped_comms",
+    "04_imbalanced_pipeline",
+    "05_unprofiled_run",
+    "06_capstone",
+}
 
 
 @pytest.mark.parametrize("nb", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
@@ -99,8 +112,13 @@ def test_solution_notebook_runs_and_records(nb: Path, tmp_path: Path):
         out.parent.mkdir()
         try:
             papermill.execute_notebook(
-                str(nb), str(out), parameters=SMALL.get(nb.stem, {"cluster": "cpu"}), cwd=str(out.parent),
-                kernel_name="python3", execution_timeout=300, progress_bar=False,
+                str(nb),
+                str(out),
+                parameters=SMALL.get(nb.stem, {"cluster": "cpu"}),
+                cwd=str(out.parent),
+                kernel_name="python3",
+                execution_timeout=300,
+                progress_bar=False,
             )
             _check_records(nb.stem, read_records(out))
             return
@@ -123,34 +141,69 @@ def test_lab_notebook_runs_until_its_first_exercise(nb: Path):
     first_stub = next(i for i, src in enumerate(lab) if "raise NotImplementedError(" in src)
     solution = _code_cells(ROOT / "solutions" / nb.name)
     first_exercise = next(i for i, src in enumerate(solution) if "### BEGIN SOLUTION" in src)
-    assert lab[:first_stub] == solution[:first_exercise], f"{nb.stem}: before its first exercise, the lab's code " \
+    assert lab[:first_stub] == solution[:first_exercise], (
+        f"{nb.stem}: before its first exercise, the lab's code "
         "differs from its solution's (a solution-only cell, or labs/ out of date: run labkit build)"
+    )
 
 
 def test_a_lab_stops_at_its_first_exercise_stub(tmp_path: Path):
-    ok, message = run_until_stub(ROOT / "labs" / "00_cluster_tour.ipynb", parameters=SMALL["00_cluster_tour"],
-                                 timeout=300, output_path=tmp_path / "00_cluster_tour.ipynb", cwd=tmp_path)
+    ok, message = run_until_stub(
+        ROOT / "labs" / "00_cluster_tour.ipynb",
+        parameters=SMALL["00_cluster_tour"],
+        timeout=300,
+        output_path=tmp_path / "00_cluster_tour.ipynb",
+        cwd=tmp_path,
+    )
     assert ok, message
 
 
 def test_nbval_lax_on_the_cluster_tour(tmp_path: Path):
     """nbval runs the notebook as a test and checks only the cells marked for it (--nbval-lax)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-         str(ROOT / "solutions" / "00_cluster_tour.ipynb")],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--nbval-lax",
+            str(ROOT / "solutions" / "00_cluster_tour.ipynb"),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def test_labkit_run_writes_a_report_in_a_folder_of_its_own(tmp_path: Path):
     """The README's main job, on one small lab: a run folder, runs/latest, a report, no kernel noise."""
-    cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "00", "--quiet", "--out", str(tmp_path / "runs"),
-           "--cluster", "cpu", "-p", "sizes_kib", "[4, 256]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "labkit.cli",
+        "run",
+        "--lab",
+        "00",
+        "--quiet",
+        "--out",
+        str(tmp_path / "runs"),
+        "--cluster",
+        "cpu",
+        "-p",
+        "sizes_kib",
+        "[4, 256]",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "without encryption" not in proc.stdout + proc.stderr
     latest = tmp_path / "runs" / "latest"
-    assert latest.is_symlink() and (latest / "report.md").exists() and (latest / "00_cluster_tour.html").exists()
+    assert (
+        latest.is_symlink() and (latest / "report.md").exists() and (latest / "00_cluster_tour.html").exists()
+    )
     report = (latest / "report.md").read_text()
     assert "Run on " in report and "- **limit**:" in report and "| 00_cluster_tour |" in report

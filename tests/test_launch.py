@@ -138,10 +138,17 @@ def test_function_defined_in_a_notebook_cell_travels_by_value():
 
 def test_tensor_results_and_rank_info():
     def info():
-        return {"rank": dist.get_rank(), "device": str(labkit.device()), "emulated": labkit.current_cluster().is_emulated}
+        return {
+            "rank": dist.get_rank(),
+            "device": str(labkit.device()),
+            "emulated": labkit.current_cluster().is_emulated,
+        }
 
     out = launch(info, world_size=2, cluster=CPU)
-    assert out == [{"rank": 0, "device": "cpu", "emulated": True}, {"rank": 1, "device": "cpu", "emulated": True}]
+    assert out == [
+        {"rank": 0, "device": "cpu", "emulated": True},
+        {"rank": 1, "device": "cpu", "emulated": True},
+    ]
 
 
 def test_output_comes_back_prefixed_in_rank_order(capfd):
@@ -171,7 +178,9 @@ def test_output_comes_back_prefixed_in_rank_order(capfd):
 )
 def test_bad_input_fails_before_spawning(kwargs, words):
     if kwargs.get("cluster") == "emulated-small":
-        kwargs["cluster"] = Cluster.emulated(nodes=1, gpus_per_node=2, intra_node=labkit.Link(1.0), inter_node=labkit.Link(1.0))
+        kwargs["cluster"] = Cluster.emulated(
+            nodes=1, gpus_per_node=2, intra_node=labkit.Link(1.0), inter_node=labkit.Link(1.0)
+        )
     import multiprocessing
 
     before = set(multiprocessing.active_children())
@@ -225,7 +234,9 @@ def test_a_users_runtime_error_is_not_reported_as_a_hang():
     assert "_runtime_error_about_sizes_on_rank1" in str(info.value)  # the traceback is kept
 
 
-@pytest.mark.parametrize("how, words", [("exit", "exited with code 3"), ("kill", "SIGKILL"), ("segv", "SIGSEGV")])
+@pytest.mark.parametrize(
+    "how, words", [("exit", "exited with code 3"), ("kill", "SIGKILL"), ("segv", "SIGSEGV")]
+)
 def test_rank_that_dies_is_named_with_code_or_signal(how, words):
     with pytest.raises(RankError) as info:
         launch(_die_on_rank1, how, world_size=2, cluster=CPU, timeout_s=60)
@@ -287,8 +298,13 @@ def test_script_without_main_guard_gets_told_how_to_fix_it(tmp_path):
     # there must end with the fix named, not with a hang or a recursive start.
     script = tmp_path / "unguarded.py"
     script.write_text("import labkit\nprint(labkit.launch(abs, 1, world_size=2, cluster='cpu'))\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr + proc.stdout
     assert "RankError: rank" in proc.stderr
@@ -312,8 +328,14 @@ def test_a_deadline_ends_a_run_stuck_outside_any_collective():
 def test_a_script_read_from_stdin_is_told_to_use_a_file():
     # multiprocessing would make every rank run "<stdin>" again from a path that does not exist.
     code = "import labkit\nprint(labkit.launch(abs, 1, world_size=2, cluster='cpu'))\n"
-    proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.run(
+        [sys.executable, "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.returncode != 0
     assert "save the script to a file" in proc.stderr and "<stdin>" in proc.stderr
     assert "FileNotFoundError" not in proc.stderr
@@ -460,12 +482,16 @@ def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULTS [3.0, 3.0] group kept" in proc.stdout
     for rank in (0, 1):
-        assert f"RANKERROR on {rank}: rank 1 ValueError rank 1 raised ValueError: boom on rank 1" in proc.stdout
+        assert (
+            f"RANKERROR on {rank}: rank 1 ValueError rank 1 raised ValueError: boom on rank 1" in proc.stdout
+        )
         assert f"REFUSED on {rank}: launch(cluster='cpu') under torchrun: the emulated cluster" in proc.stdout
     assert time.time() - t0 < 60  # not the 60 s collective timeout of the failing launch
 
@@ -538,7 +564,7 @@ def test_many_launches_without_a_collective_never_fail_even_on_busy_cores():
         for i in range(SOAK_LAUNCHES):
             try:
                 assert launch(_rank_only, world_size=2, cluster=CPU) == [0, 1]
-            except Exception as exc:  # noqa: BLE001 (count every kind of failure)
+            except Exception as exc:
                 failures.append(f"launch {i}: {type(exc).__name__}: {str(exc)[:200]}")
         after = (_children(), len(os.listdir("/proc/self/fd")), _count_listening_sockets())
     finally:
@@ -614,8 +640,14 @@ def test_a_node_with_one_gpu_uses_it_for_one_rank_and_emulates_more(monkeypatch)
     from labkit.cluster import GPU
     from labkit.links import Link
 
-    one = Cluster(kind="gpu", nodes=1, gpus_per_node=1, intra_node=Link(1.0, 0.0, "none"),
-                  inter_node=Link(50.0, 5.0, "InfiniBand (assumed)"), gpus=(GPU(0, "NVIDIA H200", 139.8),))
+    one = Cluster(
+        kind="gpu",
+        nodes=1,
+        gpus_per_node=1,
+        intra_node=Link(1.0, 0.0, "none"),
+        inter_node=Link(50.0, 5.0, "InfiniBand (assumed)"),
+        gpus=(GPU(0, "NVIDIA H200", 139.8),),
+    )
     monkeypatch.setattr(Cluster, "detect", classmethod(lambda cls: one))
     alone = Cluster.resolve("auto", 1)
     assert alone.kind == "gpu" and alone.gpu_count == 1 and "1 GPU(s) found" in alone.reason

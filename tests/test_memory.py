@@ -11,11 +11,23 @@ import torch
 
 import labkit
 from labkit.batch import accumulation_steps, choose_micro_batch
-from labkit.experiments.oom_batch import DPResult, dp_train, max_micro_batch, rank_micro_batches, reference_gradients
+from labkit.experiments.oom_batch import (
+    DPResult,
+    dp_train,
+    max_micro_batch,
+    rank_micro_batches,
+    reference_gradients,
+)
 from labkit.measured_memory import BatchSearch, estimate_fake, find_max_batch, measure
-from labkit.memory import MemoryBreakdown, bytes_per_param, estimate, gpt_activation_bytes, korthikanti_activation_bytes
-from labkit.parallel.data import accumulate_with_no_sync, accumulate_without_no_sync
+from labkit.memory import (
+    MemoryBreakdown,
+    bytes_per_param,
+    estimate,
+    gpt_activation_bytes,
+    korthikanti_activation_bytes,
+)
 from labkit.models import GPT, GPTConfig, synthetic_batch
+from labkit.parallel.data import accumulate_with_no_sync, accumulate_without_no_sync
 
 GB = 1e9  # the ZeRO paper's unit
 
@@ -126,8 +138,14 @@ def test_korthikanti_rejects_bad_input() -> None:
 SMALL = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64)
 
 
-def _lab_step(config: GPTConfig, micro_batch: int, precision: str, checkpointing: bool,
-              set_to_none: bool, accumulate: int = 1):
+def _lab_step(
+    config: GPTConfig,
+    micro_batch: int,
+    precision: str,
+    checkpointing: bool,
+    set_to_none: bool,
+    accumulate: int = 1,
+):
     torch.manual_seed(0)
     model = GPT(config, checkpointing=checkpointing)
     if precision == "bf16":
@@ -157,12 +175,18 @@ def _lab_step(config: GPTConfig, micro_batch: int, precision: str, checkpointing
         ("autocast", True, False),
     ],
 )
-def test_estimate_within_10_percent_of_measured_peak(precision: str, checkpointing: bool,
-                                                      set_to_none: bool) -> None:
+def test_estimate_within_10_percent_of_measured_peak(
+    precision: str, checkpointing: bool, set_to_none: bool
+) -> None:
     step, model, optimizer = _lab_step(SMALL, 8, precision, checkpointing, set_to_none)
     measured = measure(step, model, optimizer)
-    estimated = estimate(model=SMALL, precision=precision, micro_batch=8,
-                         checkpointing=checkpointing, keep_grads=not set_to_none)
+    estimated = estimate(
+        model=SMALL,
+        precision=precision,
+        micro_batch=8,
+        checkpointing=checkpointing,
+        keep_grads=not set_to_none,
+    )
     assert abs(estimated.peak / measured.peak - 1) < 0.10
     # measured categories are exact where the count is simple
     n = SMALL.num_params()
@@ -175,8 +199,7 @@ def test_estimate_within_10_percent_of_measured_peak(precision: str, checkpointi
 
 def test_activation_count_matches_tensors_saved_for_backward() -> None:
     # Sum the storages autograd saves (parameters excluded) and compare with the count.
-    config = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=96,
-                       n_kv_heads=2)
+    config = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=96, n_kv_heads=2)
     torch.manual_seed(0)
     model = GPT(config)
     x, y = synthetic_batch(config, 3)
@@ -320,7 +343,11 @@ def test_find_max_batch_lets_other_errors_through() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"start": 0}, "start=0"), ({"limit": -1}, "limit=-1"), ({"start": 8, "limit": 4}, "start\\(8\\) > limit\\(4\\)")],
+    [
+        ({"start": 0}, "start=0"),
+        ({"limit": -1}, "limit=-1"),
+        ({"start": 8, "limit": 4}, "start\\(8\\) > limit\\(4\\)"),
+    ],
 )
 def test_find_max_batch_rejects_bad_input(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -358,8 +385,16 @@ def test_accumulation_steps(global_batch: int, micro_batch: int, world_size: int
 @pytest.mark.parametrize(
     "args, words",
     [
-        ((64, 6, 2), ["global_batch(64)", "micro_batch(6)", "world_size(2) = 12",
-                      "divides global_batch / world_size = 32", "1, 2, 4, 8, 16, 32"]),
+        (
+            (64, 6, 2),
+            [
+                "global_batch(64)",
+                "micro_batch(6)",
+                "world_size(2) = 12",
+                "divides global_batch / world_size = 32",
+                "1, 2, 4, 8, 16, 32",
+            ],
+        ),
         ((65, 4, 2), ["global_batch(65)", "use global_batch=64 or 72"]),
         ((64, 64, 2), ["micro_batch(64) x world_size(2) = 128 > global_batch(64)", "1, 2, 4, 8, 16, 32"]),
         ((-8, 2, 2), ["global_batch=-8", "positive"]),
@@ -424,23 +459,40 @@ def test_dp_train_needs_a_rank() -> None:
 
 def _dp_worker(config: GPTConfig, global_batch: int, micro_batch: int) -> dict:
     # 0.1 MB buckets: this 0.45 MB model gets several once DDP has rebuilt them after step 1
-    with_sync = dp_train(config, global_batch, micro_batch, accumulate=accumulate_with_no_sync,
-                         return_grads=True, breakdown=True, bucket_cap_mb=0.1)
-    without = dp_train(config, global_batch, micro_batch, accumulate=accumulate_without_no_sync,
-                       return_grads=True, bucket_cap_mb=0.1)
+    with_sync = dp_train(
+        config,
+        global_batch,
+        micro_batch,
+        accumulate=accumulate_with_no_sync,
+        return_grads=True,
+        breakdown=True,
+        bucket_cap_mb=0.1,
+    )
+    without = dp_train(
+        config,
+        global_batch,
+        micro_batch,
+        accumulate=accumulate_without_no_sync,
+        return_grads=True,
+        bucket_cap_mb=0.1,
+    )
     single = dp_train(config, global_batch, global_batch // 2)  # as first written: one micro-step
     budget = labkit.emulate.active_budget()
     search = max_micro_batch(config, precision="autocast", checkpointing=True, limit=64)
-    return {"with": with_sync, "without": without, "single": single, "search": search,
-            "left": budget.allocated}
+    return {
+        "with": with_sync,
+        "without": without,
+        "single": single,
+        "search": search,
+        "left": budget.allocated,
+    }
 
 
 def test_dp_train_accumulation_matches_the_big_batch_and_counts_allreduces() -> None:
     config = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=128)
     cluster = labkit.Cluster.emulated(gpus_per_node=2, memory_gib=8 / 1024)
     global_batch, micro = 16, 2
-    out = labkit.launch(_dp_worker, config, global_batch, micro, world_size=2, cluster=cluster,
-                        timeout_s=120)
+    out = labkit.launch(_dp_worker, config, global_batch, micro, world_size=2, cluster=cluster, timeout_s=120)
     reference = reference_gradients(config, global_batch)
     steps = accumulation_steps(global_batch, micro, 2)
     for rank, result in enumerate(out):
@@ -482,12 +534,17 @@ def test_a_gpu_budget_is_set_above_the_warm_baseline_and_peaks_are_net_of_it(mon
     calls = {}
     monkeypatch.setenv("LABKIT_GPU_BASELINE_BYTES", "0")  # undone after the test, whatever the cap sets
     monkeypatch.setattr(runtime, "_warm_up_cuda", lambda dev: calls.setdefault("warm", dev))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=1024 * MiB))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=1024 * MiB)
+    )
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 80 * MiB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 66 * MiB)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: 100 * MiB)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda fraction, dev=None: calls.update(fraction=fraction))
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_per_process_memory_fraction",
+        lambda fraction, dev=None: calls.update(fraction=fraction),
+    )
     assert runtime.cap_above_baseline(0, 48 / 1024) == 66 * MiB
     assert calls["warm"] == torch.device("cuda", 0) and calls["fraction"] == pytest.approx((80 + 48) / 1024)
     monkeypatch.setattr(runtime, "on_gpu", lambda: True)

@@ -1,4 +1,5 @@
 """labs/ generation from solutions/, stripping, checking, and running a lab until its stub."""
+
 from __future__ import annotations
 
 import ast
@@ -10,10 +11,10 @@ import nbformat
 import pytest
 
 from labkit.course.notebooks import (
-    is_stub_error,
     build,
     check,
     has_outputs,
+    is_stub_error,
     lint,
     list_notebooks,
     make_lab,
@@ -94,14 +95,16 @@ def test_stub_keeps_indentation_uses_comment_hint_and_counts_code_lines() -> Non
 def test_hint_line_wins_and_is_not_counted() -> None:
     source = 'x = 1\n### BEGIN SOLUTION\n### HINT: say "hi" twice\n# a comment\nprint("hi")\nprint("hi")\n### END SOLUTION\ny = 2'
     assert stub_code(source) == (
-        "x = 1\n# EXERCISE: say \"hi\" twice\n"
+        'x = 1\n# EXERCISE: say "hi" twice\n'
         'raise NotImplementedError("Exercise: say \\"hi\\" twice (about 2 lines)")\ny = 2'
     )
     ast.parse(stub_code(source))
 
 
 def test_block_without_hint_gets_a_default() -> None:
-    assert "Exercise: complete this cell (about 1 line)" in stub_code("### BEGIN SOLUTION\nx = 1\n### END SOLUTION")
+    assert "Exercise: complete this cell (about 1 line)" in stub_code(
+        "### BEGIN SOLUTION\nx = 1\n### END SOLUTION"
+    )
 
 
 @pytest.mark.parametrize(
@@ -118,7 +121,10 @@ def test_bad_code_markers_are_reported_with_line(source: str, message: str) -> N
 
 
 def test_markdown_solution_is_removed() -> None:
-    assert strip_markdown_solution("Q?\n<!-- BEGIN SOLUTION -->\nA.\n<!-- END SOLUTION -->\nMore.") == "Q?\n\nMore."
+    assert (
+        strip_markdown_solution("Q?\n<!-- BEGIN SOLUTION -->\nA.\n<!-- END SOLUTION -->\nMore.")
+        == "Q?\n\nMore."
+    )
     assert strip_markdown_solution("no markers\n\n\n") == "no markers\n\n\n"
     with pytest.raises(ValueError, match="never closed"):
         strip_markdown_solution("<!-- BEGIN SOLUTION -->")
@@ -233,7 +239,9 @@ def test_lint(tmp_path: Path) -> None:
 
 def test_stub_error_is_recognised_when_a_worker_re_raises_it() -> None:
     assert is_stub_error("NotImplementedError", "Exercise: do it (about 2 lines)", [])
-    assert is_stub_error("ProcessRaisedException", "\n\n-- Process 0 terminated...\nNotImplementedError: Exercise: x", [])
+    assert is_stub_error(
+        "ProcessRaisedException", "\n\n-- Process 0 terminated...\nNotImplementedError: Exercise: x", []
+    )
     assert not is_stub_error("NotImplementedError", "not an exercise", [])
     assert not is_stub_error("NameError", "name 'x' is not defined", [])
 
@@ -265,7 +273,9 @@ def test_run_until_stub(lab_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     assert "no exercise stubs" in message
 
     executed = tmp_path / "out" / "early.ipynb"  # its folder is created
-    ok, message = run_until_stub(labs / "01_demo.ipynb", parameters={"n": 0}, timeout=60, output_path=executed)
+    ok, message = run_until_stub(
+        labs / "01_demo.ipynb", parameters={"n": 0}, timeout=60, output_path=executed
+    )
     assert not ok
     assert "cell 2 ('sizes = [1] * (6 // n)') raised ZeroDivisionError" in message
     assert executed.is_file()

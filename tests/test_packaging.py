@@ -1,4 +1,5 @@
 """The repository's packaging stays consistent: conda env = pyproject, notebooks stripped, labs fresh."""
+
 from __future__ import annotations
 
 import re
@@ -83,7 +84,9 @@ def test_environment_yml_pins_python_and_pip() -> None:
 
 def test_committed_notebooks_have_no_outputs() -> None:
     dirty = outputs_present(list_notebooks(SOLUTIONS) + list_notebooks(LABS))
-    assert not dirty, f"notebooks with outputs (run labkit.course.notebooks.strip on them): {[str(p) for p in dirty]}"
+    assert not dirty, (
+        f"notebooks with outputs (run labkit.course.notebooks.strip on them): {[str(p) for p in dirty]}"
+    )
 
 
 def test_labs_are_up_to_date() -> None:
@@ -97,7 +100,9 @@ def test_notebooks_have_parameters_cell_and_python3_kernel() -> None:
 
 
 def _ci_test_command() -> str:
-    match = re.search(r'^TEST_CMD="([^"]+)"$', (REPO / ".ci" / "run").read_text(encoding="utf-8"), re.MULTILINE)
+    match = re.search(
+        r'^TEST_CMD="([^"]+)"$', (REPO / ".ci" / "run").read_text(encoding="utf-8"), re.MULTILINE
+    )
     assert match, '.ci/run must define the test command on one line: TEST_CMD="..."'
     return match.group(1)
 
@@ -106,7 +111,9 @@ def test_ci_installs_pinned_torch_before_the_package() -> None:
     text = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     torch = text.find("python3 -m pip install torch==")
     package = text.find('python3 -m pip install -e ".[test]"')
-    assert 0 <= torch < package, ".ci/run must install a pinned torch before the package (else pip pulls a CUDA build)"
+    assert 0 <= torch < package, (
+        ".ci/run must install a pinned torch before the package (else pip pulls a CUDA build)"
+    )
 
 
 def test_readme_shows_the_ci_test_command() -> None:
@@ -124,8 +131,23 @@ def test_the_wheel_holds_every_subpackage(tmp_path):
     import sys
     import zipfile
 
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(REPO),
-                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(REPO),
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("labkit-*.whl")
     packaged = {n.rsplit("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/__init__.py")}
     on_disk = {str(p.parent.relative_to(REPO)) for p in (REPO / "labkit").rglob("__init__.py")}
@@ -172,13 +194,18 @@ def test_the_cpu_workflow_runs_the_readme_test_command_on_every_pull_request() -
     assert "pull_request" in wf["on"] and "push" in wf["on"]
     runs = " ".join(step.get("run", "") for step in wf["jobs"]["tests"]["steps"])
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    command = next(line for line in readme.splitlines() if line.endswith(_ci_test_command()) and "pip" in line)
+    command = next(
+        line for line in readme.splitlines() if line.endswith(_ci_test_command()) and "pip" in line
+    )
     assert command in runs, f"cpu.yml must run the README's test command: {command!r}"
 
 
 def test_the_gpu_workflow_is_nightly_label_gated_and_never_runs_untrusted_code() -> None:
     wf = _workflow("gpu.yml")
-    assert set(wf["on"]) == {"schedule", "workflow_dispatch", "pull_request"} and "pull_request_target" not in wf["on"]
+    assert (
+        set(wf["on"]) == {"schedule", "workflow_dispatch", "pull_request"}
+        and "pull_request_target" not in wf["on"]
+    )
     job = wf["jobs"]["labs"]
     assert {"self-hosted", "gpu"} <= set(job["runs-on"])
     assert "run-gpu" in job["if"] and "github.event_name != 'pull_request'" in job["if"]

@@ -49,14 +49,17 @@ def test_a_heavy_embedding_and_head_get_stages_of_their_own():
     assert max(stage_costs(costs, sizes)) == 8.0 and sizes[0] == 1 and sizes[-1] == 1
 
 
-@pytest.mark.parametrize("bad,match", [
-    (([1.0, 2.0], 3), "more than the 2 layers"),
-    (([1.0, 0.0], 1), r"costs\[1\]=0.0"),
-    (([1.0, float("nan")], 1), r"costs\[1\]=nan"),
-    (([1.0, -2.0], 1), r"costs\[1\]=-2.0"),
-    (([], 1), "empty"),
-    (([1.0], 0), "stages"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (([1.0, 2.0], 3), "more than the 2 layers"),
+        (([1.0, 0.0], 1), r"costs\[1\]=0.0"),
+        (([1.0, float("nan")], 1), r"costs\[1\]=nan"),
+        (([1.0, -2.0], 1), r"costs\[1\]=-2.0"),
+        (([], 1), "empty"),
+        (([1.0], 0), "stages"),
+    ],
+)
 def test_balance_refuses_bad_input_with_the_value_and_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         balance(*bad)
@@ -108,7 +111,9 @@ def test_profile_layers_measures_every_layer_embedding_and_head_included():
     x, y = synthetic_batch(config, 4)
     prof = profile_layers(model, x, y, repeats=2)
     assert [p.name for p in prof] == ["embedding", "block 0", "block 1", "head"]
-    assert all(p.forward_ms >= 0 and p.backward_ms >= 0 and p.ms == p.forward_ms + p.backward_ms for p in prof)
+    assert all(
+        p.forward_ms >= 0 and p.backward_ms >= 0 and p.ms == p.forward_ms + p.backward_ms for p in prof
+    )
     logits_bytes = 4 * 16 * 4096 * 4  # batch x seq x vocab fp32: saved for the loss's backward
     assert prof[-1].activation_bytes >= logits_bytes > prof[1].activation_bytes
     assert all(p.grad is None for p in model.parameters())  # leaves the model as it found it

@@ -75,22 +75,41 @@ def _plans():
 
 
 def test_pipelining_gives_the_models_gradients_under_every_schedule():
-    per_rank = launch(pipeline_steps, CONFIG, _plans(), batch_size=4, steps=2, check=True, measure_memory=True,
-                      world_size=2, cluster=_cluster(2), timeout_s=60, deadline_s=120)
+    per_rank = launch(
+        pipeline_steps,
+        CONFIG,
+        _plans(),
+        batch_size=4,
+        steps=2,
+        check=True,
+        measure_memory=True,
+        world_size=2,
+        cluster=_cluster(2),
+        timeout_s=60,
+        deadline_s=120,
+    )
     for i, (sizes, m, schedule) in enumerate(_plans()):
         s = summarize_pipeline([rank[i] for rank in per_rank])
         assert s.grad_error < 1e-5 and s.loss_error < 1e-5, schedule
-        assert s.sizes == sizes and s.micro_batches == m and s.chunks == (2 if schedule.startswith("inter") else 1)
+        assert (
+            s.sizes == sizes
+            and s.micro_batches == m
+            and s.chunks == (2 if schedule.startswith("inter") else 1)
+        )
         assert all(0 < b <= s.step_ms for b in s.busy_ms) and 0 < s.bubble < 1
         assert s.label == "emulated" and all(p is not None and p > 0 for p in s.peak_bytes)
         for spans in s.spans:  # one forward and one backward per micro-batch and chunk
             for kind in "FB":
-                assert sorted(mb for k, _, mb, _, _ in spans if k == kind) == sorted(list(range(m)) * s.chunks)
+                assert sorted(mb for k, _, mb, _, _ in spans if k == kind) == sorted(
+                    list(range(m)) * s.chunks
+                )
         assert sum(s.sends) == 2 * m * (len(sizes) - 1)  # every boundary, forward and backward
 
 
 def _rank(busy: list[float], step: list[float], m: int = 4) -> PipelineRankResult:
-    return PipelineRankResult(0, [0], [["block 0"]], "1f1b", m, step, [s - b for s, b in zip(step, busy)], [], 0, 0)
+    return PipelineRankResult(
+        0, [0], [["block 0"]], "1f1b", m, step, [s - b for s, b in zip(step, busy)], [], 0, 0
+    )
 
 
 def test_summary_arithmetic_is_exact():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from labkit import Cluster, launch
+from labkit.course.checks import check_layout_choice
 from labkit.experiments.common import seeded_model
 from labkit.experiments.parallelism_choice import layout_steps, reference_gradients, summarize_layout
 from labkit.links import Link, collective_time_s
@@ -15,7 +16,6 @@ from labkit.memory import estimate, stage_params
 from labkit.models import GPTConfig
 from labkit.parallel.layout import Layout
 from labkit.parallel.pipeline import GPTStage, even_split
-from labkit.course.checks import check_layout_choice
 from labkit.planner import Rates, plan, spearman, tp_comm_s
 
 CONFIG = GPTConfig(n_layers=8, d_model=128, n_heads=8, vocab_size=1024, seq_len=64)
@@ -47,7 +47,10 @@ def test_model_parallel_memory_counts_what_each_rank_holds():
     # tp > 1: the estimate's count is what the tensor-parallel slicing rule keeps on a rank
     from labkit.parallel.tensor import shard_state
 
-    for config in (SMALL, GPTConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=8)):
+    for config in (
+        SMALL,
+        GPTConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=8),
+    ):
         full = dict(seeded_model(config).named_parameters())
         for tp in (2, 4) if config.kv_heads % 4 == 0 else (2,):
             kept = sum(t.numel() for t in shard_state(full, config, 0, tp).values())
@@ -78,19 +81,44 @@ def test_a_described_cluster_is_planned_for_and_refused_by_launch():
 
 def test_the_planner_rejects_with_the_values_and_matches_estimate():
     cluster = Cluster.emulated(nodes=2, gpus_per_node=4, memory_gib=28 / 1024)
-    p = plan(CONFIG, cluster, 32, precision="fp32", rates=RATES, micro_batch_sizes=(4, 8), zero_stages=(0,),
-             checkpointing=(False,))
+    p = plan(
+        CONFIG,
+        cluster,
+        32,
+        precision="fp32",
+        rates=RATES,
+        micro_batch_sizes=(4, 8),
+        zero_stages=(0,),
+        checkpointing=(False,),
+    )
     assert len(p.candidates) == 10 and p.best.ok
     dp8 = p.candidate(8, 1, 1)
-    assert dp8.reason.startswith("does not fit: 40.6 MiB > 25.2 MiB usable per GPU") and "shard the model" in dp8.reason
+    assert (
+        dp8.reason.startswith("does not fit: 40.6 MiB > 25.2 MiB usable per GPU")
+        and "shard the model" in dp8.reason
+    )
     tp8 = p.candidate(1, 8, 1)
     assert tp8.reason.startswith("tp group crosses nodes") and tp8.predicted_ms > 10 * p.best.predicted_ms
     for c in p.candidates:  # the planner's memory is labkit.memory.estimate's
-        assert c.memory == estimate(model=CONFIG, dp=c.dp, precision="fp32", micro_batch=c.micro_batch, tp=c.tp,
-                                    pp=c.pp, micro_batches=c.micro_batches, keep_grads=c.micro_batches > 1)
-    odd = plan(GPTConfig(n_layers=2, d_model=24, n_heads=6, vocab_size=64, seq_len=8),
-               Cluster.emulated(nodes=1, gpus_per_node=4, memory_gib=1.0), 6, rates=RATES)
-    assert "does not divide: tensor parallel size 4 does not divide n_heads=6" in odd.candidate(1, 4, 1).reason
+        assert c.memory == estimate(
+            model=CONFIG,
+            dp=c.dp,
+            precision="fp32",
+            micro_batch=c.micro_batch,
+            tp=c.tp,
+            pp=c.pp,
+            micro_batches=c.micro_batches,
+            keep_grads=c.micro_batches > 1,
+        )
+    odd = plan(
+        GPTConfig(n_layers=2, d_model=24, n_heads=6, vocab_size=64, seq_len=8),
+        Cluster.emulated(nodes=1, gpus_per_node=4, memory_gib=1.0),
+        6,
+        rates=RATES,
+    )
+    assert (
+        "does not divide: tensor parallel size 4 does not divide n_heads=6" in odd.candidate(1, 4, 1).reason
+    )
     assert "does not divide: global batch 6 over dp=4" in odd.candidate(4, 1, 1).reason
     assert "pp=4 pipeline stages for 2 blocks" in odd.candidate(1, 1, 4).reason
     assert "dp4" in plan(CONFIG, cluster, 32, precision="fp32", rates=RATES, memory_gib=1.0).table()
@@ -110,8 +138,14 @@ def test_megatron_configurations_keep_tensor_parallelism_inside_a_dgx_node():
     # Narayanan et al. 2021, Table 1: 18B on 256 GPUs (paper: tp 8), 76B on 1024 (tp 8, pp 4)
     for h, a, L, gpus, batch in ((6144, 48, 40, 256, 1024), (10240, 80, 60, 1024, 1792)):
         big = GPTConfig(n_layers=L, d_model=h, n_heads=a, vocab_size=51200, seq_len=2048)
-        p = plan(big, Cluster.preset("dgx-a100-80gb", nodes=gpus // 8), batch, zero_stages=(0,),
-                 checkpointing=(True,), micro_batch_sizes=(1, 2, 4, 8))
+        p = plan(
+            big,
+            Cluster.preset("dgx-a100-80gb", nodes=gpus // 8),
+            batch,
+            zero_stages=(0,),
+            checkpointing=(True,),
+            micro_batch_sizes=(1, 2, 4, 8),
+        )
         assert 2 <= p.best.tp <= 8 and p.best.memory.peak <= 0.9 * 80 * 2**30
         assert p.candidate(gpus // 16, 16, 1).reason.startswith(("tp group crosses nodes", "does not"))
 
@@ -121,10 +155,25 @@ def test_every_layout_matches_one_process():
     cluster = Cluster.emulated(nodes=2, gpus_per_node=4, intra_node=Link(1.0, 20), inter_node=Link(0.1, 50))
     ref = reference_gradients(CONFIG, 16)
     for lay in (Layout(8, 1, 1), Layout(1, 8, 1), Layout(1, 1, 8), Layout(2, 2, 2), Layout(1, 4, 2)):
-        s = summarize_layout(launch(layout_steps, CONFIG, lay, 16, 2, steps=1, warmup=0, reference=ref, world_size=8,
-                                    cluster=cluster, timeout_s=60))
+        s = summarize_layout(
+            launch(
+                layout_steps,
+                CONFIG,
+                lay,
+                16,
+                2,
+                steps=1,
+                warmup=0,
+                reference=ref,
+                world_size=8,
+                cluster=cluster,
+                timeout_s=60,
+            )
+        )
         assert s.grad_error < 1e-5, f"{lay}: gradients differ by {s.grad_error}"
-        assert (s.loss_error is not None and s.loss_error < 1e-5) == (lay.dp == 1), f"{lay}: loss {s.loss_error}"
+        assert (s.loss_error is not None and s.loss_error < 1e-5) == (lay.dp == 1), (
+            f"{lay}: loss {s.loss_error}"
+        )
         assert s.step_ms > 0 and (s.link_bytes["inter"] > 0) == (lay.pp > 1 or lay.tp == 8 or lay.dp == 8)
     assert torch.get_num_threads() == 1
 
@@ -132,8 +181,16 @@ def test_every_layout_matches_one_process():
 def test_the_layout_choice_check_names_each_mistake():
     # The two wrong answers the notebook's mutation tests do not run (they need no kernel): the same check.
     cluster = Cluster.emulated(nodes=2, gpus_per_node=4, memory_gib=28 / 1024)
-    p = plan(CONFIG, cluster, 32, precision="fp32", rates=RATES, micro_batch_sizes=(4, 8), zero_stages=(0,),
-             checkpointing=(False,))
+    p = plan(
+        CONFIG,
+        cluster,
+        32,
+        precision="fp32",
+        rates=RATES,
+        micro_batch_sizes=(4, 8),
+        zero_stages=(0,),
+        checkpointing=(False,),
+    )
     best = p.best
     reason = f"{best.layout}: {best.predicted_ms:.1f} ms, {best.memory.peak / 2**20:.1f} MiB per GPU"
     assert check_layout_choice((best.dp, best.tp, best.pp), reason, p) is best

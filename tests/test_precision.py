@@ -79,7 +79,10 @@ def test_forced_overflow_skips_one_step_and_halves_scale(overflow):
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: compare_precisions(TINY, 0), r"^batch_size=0 must be a positive whole number .*e\.g\. batch_size=4"),
+        (
+            lambda: compare_precisions(TINY, 0),
+            r"^batch_size=0 must be a positive whole number .*e\.g\. batch_size=4",
+        ),
         (lambda: compare_precisions(TINY, 4, steps=0), r"^steps=0 must be a positive whole number"),
         (lambda: compare_precisions(TINY, 4, lr=-1.0), r"^lr=-1\.0 must be a number > 0; e\.g\. lr=1e-3"),
         (lambda: compare_precisions(TINY, 4, seed=-1), r"^seed=-1 must be a whole number >= 0"),

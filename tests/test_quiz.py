@@ -20,8 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _headings(stem: str) -> list[str]:
     nb = json.loads((ROOT / "solutions" / f"{stem}.ipynb").read_text())
-    return [line.lstrip("#").strip() for c in nb["cells"] if c["cell_type"] == "markdown"
-            for line in "".join(c["source"]).splitlines() if line.startswith("#")]
+    return [
+        line.lstrip("#").strip()
+        for c in nb["cells"]
+        if c["cell_type"] == "markdown"
+        for line in "".join(c["source"]).splitlines()
+        if line.startswith("#")
+    ]
 
 
 def test_at_least_40_valid_questions_over_every_topic():
@@ -29,17 +34,22 @@ def test_at_least_40_valid_questions_over_every_topic():
     assert len(questions) >= 40
     assert len({q.id for q in questions}) == len(questions), "question ids must be unique"
     for topic in TOPICS:
-        assert len([q for q in questions if q.topic == topic]) >= 4, f"topic {topic} has fewer than 4 questions"
+        assert len([q for q in questions if q.topic == topic]) >= 4, (
+            f"topic {topic} has fewer than 4 questions"
+        )
     for q in questions:
-        assert q.topic in TOPICS and q.kind in ("choice", "numeric") and q.text.strip() and q.explanation.strip()
+        assert (
+            q.topic in TOPICS and q.kind in ("choice", "numeric") and q.text.strip() and q.explanation.strip()
+        )
         if q.kind == "choice":
             assert 3 <= len(q.choices) <= 5 and len(set(q.choices)) == len(q.choices), q.id
             assert float(q.answer).is_integer() and 0 <= q.answer < len(q.choices), q.id
         else:
             assert q.unit and math.isfinite(q.answer) and q.answer > 0, q.id
         assert (ROOT / "solutions" / f"{q.reference}.ipynb").exists(), f"{q.id}: no lab {q.reference}"
-        assert any(h.startswith(q.section.strip()) for h in _headings(q.reference)), \
+        assert any(h.startswith(q.section.strip()) for h in _headings(q.reference)), (
             f"{q.id}: no heading starting {q.section!r} in {q.reference}"
+        )
 
 
 def _expected(q: quiz.Question) -> float:
@@ -55,7 +65,9 @@ def _expected(q: quiz.Question) -> float:
         return p["global_batch"] / (p["micro"] * p["ranks"])
     if q.id == "memory-gen-zero":  # ZeRO, Figure 1: 2 + 2 + 12 bytes, sharded by stage over N_d
         n, d, k = p["billions"] * 1e9, p["gpus"], p["zero_stage"]
-        return (2 * n / (d if k >= 3 else 1) + 2 * n / (d if k >= 2 else 1) + 12 * n / (d if k >= 1 else 1)) / 2**30
+        return (
+            2 * n / (d if k >= 3 else 1) + 2 * n / (d if k >= 2 else 1) + 12 * n / (d if k >= 1 else 1)
+        ) / 2**30
     if q.id == "memory-gen-activations":  # Korthikanti et al. 2022, Table 2
         s, b, h, a, t = p["s"], p["b"], p["h"], p["a"], p["t"]
         return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) / 2**30
@@ -125,13 +137,26 @@ def test_the_widget_quiz_responds_to_answers():
 
 
 def test_labkit_quiz_in_the_terminal():
-    out = subprocess.run([sys.executable, "-m", "labkit.cli", "quiz", "--topic", "profiling", "--print"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "profiling", "--print"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "Answers" in out.stdout
     n = len(quiz.bank("cluster"))
-    out = subprocess.run([sys.executable, "-m", "labkit.cli", "quiz", "--topic", "cluster"], input="a\n" * n,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "cluster"],
+        input="a\n" * n,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "score by topic" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "labkit.cli", "quiz", "--topic", "nope"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "topic" in out.stderr

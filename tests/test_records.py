@@ -1,4 +1,5 @@
 """record() inside an executed notebook, and read_records() reading it back."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ def test_records_round_trip_through_an_executed_notebook(tmp_path: Path, kernel_
         "record('after', 2)\nrecord('after', 3)  # the last value wins",
         "record('shape', (2, 3))\nrecord('extra', {'ranks': 2, 'ok': True, 'none': None})",
     )
-    NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     path = tmp_path / "executed.ipynb"
     nbformat.write(nb, str(path))
 
@@ -55,13 +58,15 @@ def test_outside_ipython_record_prints_one_json_line(capsys: pytest.CaptureFixtu
     record("limit", 1.5)
     out = capsys.readouterr().out
     assert out.startswith(LINE_PREFIX)
-    assert json.loads(out[len(LINE_PREFIX):]) == {"key": "limit", "value": 1.5}
+    assert json.loads(out[len(LINE_PREFIX) :]) == {"key": "limit", "value": 1.5}
 
 
 def test_read_records_also_reads_printed_lines(tmp_path: Path) -> None:
     nb = _notebook("")
     line = LINE_PREFIX + json.dumps({"key": "from_worker", "value": [1, 2]})
-    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"hello\n{line}\n{LINE_PREFIX}{{cut")]
+    nb.cells[0].outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text=f"hello\n{line}\n{LINE_PREFIX}{{cut")
+    ]
     path = tmp_path / "nb.ipynb"
     nbformat.write(nb, str(path))
     assert read_records(path) == {"from_worker": [1, 2]}
@@ -89,9 +94,18 @@ def test_write_report(tmp_path: Path) -> None:
     from labkit.course.report import write_report
 
     nb = _notebook("record(...)")  # outputs as record() leaves them (executed for real above)
-    values = {"metric": "step time", "before": 257.123, "after": 190.0, "limit": 200, "unit": "ms", "emulated": True}
+    values = {
+        "metric": "step time",
+        "before": 257.123,
+        "after": 190.0,
+        "limit": 200,
+        "unit": "ms",
+        "emulated": True,
+    }
     nb.cells[0].outputs = [
-        nbformat.v4.new_output("display_data", data={RECORD_MIME: {"key": k, "value": v}, "text/plain": "..."})
+        nbformat.v4.new_output(
+            "display_data", data={RECORD_MIME: {"key": k, "value": v}, "text/plain": "..."}
+        )
         for k, v in values.items()
     ]
     executed = tmp_path / "03_comms.ipynb"
@@ -133,14 +147,26 @@ def test_write_report_needs_lab_and_status(tmp_path: Path) -> None:
 def test_report_has_a_header_meanings_and_sweeps_as_tables(tmp_path):
     from labkit.course.report import write_report
 
-    records = {"before": 0.01, "after": 0.09, "limit": 0.1, "unit": "GB/s",
-               "meaning": {"before": "smallest message", "after": "largest", "limit": "the link"},
-               "sweep": [{"size_bytes": 4096, "busbw_GBps": 0.0082}, {"size_bytes": 65536, "busbw_GBps": 0.05}]}
-    context = {"date": "2026-12-01T10:00:00+00:00", "machine": "m: Linux x86_64, 2 CPU cores", "torch": "2.13.0",
-               "labkit": "0.1.0", "commit": "abc1234", "cluster": "Emulated cluster: ...",
-               "calibration": {"gflops": 93.6, "source": "cache", "machine": "AMD EPYC | torch 2.13.0"}}
-    _, md = write_report(tmp_path, [{"lab": "00_x", "status": "passed", "records": records}], html=False,
-                         context=context)
+    records = {
+        "before": 0.01,
+        "after": 0.09,
+        "limit": 0.1,
+        "unit": "GB/s",
+        "meaning": {"before": "smallest message", "after": "largest", "limit": "the link"},
+        "sweep": [{"size_bytes": 4096, "busbw_GBps": 0.0082}, {"size_bytes": 65536, "busbw_GBps": 0.05}],
+    }
+    context = {
+        "date": "2026-12-01T10:00:00+00:00",
+        "machine": "m: Linux x86_64, 2 CPU cores",
+        "torch": "2.13.0",
+        "labkit": "0.1.0",
+        "commit": "abc1234",
+        "cluster": "Emulated cluster: ...",
+        "calibration": {"gflops": 93.6, "source": "cache", "machine": "AMD EPYC | torch 2.13.0"},
+    }
+    _, md = write_report(
+        tmp_path, [{"lab": "00_x", "status": "passed", "records": records}], html=False, context=context
+    )
     text = md.read_text()
     assert "Run on 2026-12-01T10:00:00+00:00" in text and "commit abc1234" in text and "93.6 GFLOP/s" in text
     assert "- **before**: smallest message" in text

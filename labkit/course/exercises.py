@@ -21,9 +21,11 @@ class OverlappedDDPExercise(OverlappedDDP):
     def _on_grad_ready(self, param: Any) -> None:
         raise NotImplementedError(
             "_on_grad_ready(param) is yours to write in your subclass: count param as ready in "
-            "self._bucket_of[id(param)], then flush every complete bucket from self._next_bucket on, in order.")
+            "self._bucket_of[id(param)], then flush every complete bucket from self._next_bucket on, in order."
+        )
 
     def _flush(self, bucket: Any) -> None:
         raise NotImplementedError(
             "_flush(bucket) is yours to write in your subclass: copy the gradients into bucket.buffer, start "
-            "dist.all_reduce(..., async_op=True), keep the work in bucket.work, call self._after_launch(bucket, t0).")
+            "dist.all_reduce(..., async_op=True), keep the work in bucket.work, call self._after_launch(bucket, t0)."
+        )

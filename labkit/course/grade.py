@@ -54,8 +54,9 @@ def _status(cell: nbformat.NotebookNode) -> str:
     return f"fail: {ename}: {first[:300]}"
 
 
-def grade_notebook(path: Path, learner: str, parameters: Mapping[str, Any] | None = None,
-                   timeout_s: float = 600) -> LabGrade:
+def grade_notebook(
+    path: Path, learner: str, parameters: Mapping[str, Any] | None = None, timeout_s: float = 600
+) -> LabGrade:
     """Execute one learner's notebook (all cells, errors allowed) and read back its check cells."""
     import papermill
 
@@ -64,9 +65,16 @@ def grade_notebook(path: Path, learner: str, parameters: Mapping[str, Any] | Non
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
         out = Path(tmp) / path.name
         try:
-            papermill.execute_notebook(str(path), str(out), parameters=dict(parameters or {}), cwd=tmp,
-                                       execution_timeout=timeout_s, progress_bar=False, allow_errors=True,
-                                       extra_arguments=["--IPKernelApp.log_level=ERROR"])  # as labkit run
+            papermill.execute_notebook(
+                str(path),
+                str(out),
+                parameters=dict(parameters or {}),
+                cwd=tmp,
+                execution_timeout=timeout_s,
+                progress_bar=False,
+                allow_errors=True,
+                extra_arguments=["--IPKernelApp.log_level=ERROR"],
+            )  # as labkit run
         except papermill.PapermillExecutionError:
             pass  # the cells' errors are read back below
         except Exception as exc:  # a cell over the time limit, a kernel that died
@@ -80,17 +88,25 @@ def grade_notebook(path: Path, learner: str, parameters: Mapping[str, Any] | Non
     return grade
 
 
-def grade_folder(folder: str | Path, parameters: Mapping[str, Any] | None = None,
-                 timeout_s: float = 600) -> list[LabGrade]:
+def grade_folder(
+    folder: str | Path, parameters: Mapping[str, Any] | None = None, timeout_s: float = 600
+) -> list[LabGrade]:
     """Every lab notebook under `folder`, by learner (its folder's name) and lab, in order."""
     root = Path(folder)
     if not root.is_dir():
-        raise ValueError(f"{root} is not a folder: give the folder of learners' notebooks "
-                         "(<learner>/<NN_lab>.ipynb), e.g. labkit grade submissions/")
-    found = sorted(p for p in root.rglob("*.ipynb") if _LAB.match(p.name) and ".ipynb_checkpoints" not in p.parts)
+        raise ValueError(
+            f"{root} is not a folder: give the folder of learners' notebooks "
+            "(<learner>/<NN_lab>.ipynb), e.g. labkit grade submissions/"
+        )
+    found = sorted(
+        p for p in root.rglob("*.ipynb") if _LAB.match(p.name) and ".ipynb_checkpoints" not in p.parts
+    )
     if not found:
         raise ValueError(f"no lab notebooks (NN_name.ipynb) under {root}")
-    return [grade_notebook(p, p.parent.name if p.parent != root else root.name, parameters, timeout_s) for p in found]
+    return [
+        grade_notebook(p, p.parent.name if p.parent != root else root.name, parameters, timeout_s)
+        for p in found
+    ]
 
 
 def table(grades: list[LabGrade]) -> str:
@@ -99,7 +115,9 @@ def table(grades: list[LabGrade]) -> str:
     for g in grades:
         checks = "; ".join(f"{name}: {status}" for name, status in g.checks) or "no checks"
         extra = f"  [{g.error}]" if g.error else ""
-        lines.append(f"{g.learner:<16} {g.lab:<24} {g.passed:>3}/{len(g.checks):<3}  {checks} ({g.seconds:.0f} s){extra}")
+        lines.append(
+            f"{g.learner:<16} {g.lab:<24} {g.passed:>3}/{len(g.checks):<3}  {checks} ({g.seconds:.0f} s){extra}"
+        )
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@
 Every notebook written here is stripped (no outputs, no execution counts, no widget
 state) and serialised deterministically, so ``check`` is byte-stable.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,9 @@ def list_notebooks(directory: str | Path) -> list[Path]:
 
 def _stub_lines(block: list[str], indent: str) -> list[str]:
     """Turn the lines of one solution block into the stub that replaces them."""
-    hint_lines = [line.strip()[len(HINT_PREFIX):].strip() for line in block
-                  if line.strip().startswith(HINT_PREFIX)]
+    hint_lines = [
+        line.strip()[len(HINT_PREFIX) :].strip() for line in block if line.strip().startswith(HINT_PREFIX)
+    ]
     body = [line for line in block if not line.strip().startswith(HINT_PREFIX)]
     if hint_lines:
         hint = " ".join(h for h in hint_lines if h)
@@ -137,7 +139,7 @@ def strip_markdown_solution(source: str, where: str = "cell") -> str:
         if inner_begin != -1 and inner_begin < end:
             raise ValueError(f"{where}: nested {MD_BEGIN!r}; close the first block before opening another")
         out.append(rest[:begin])
-        rest = rest[end + len(MD_END):]
+        rest = rest[end + len(MD_END) :]
     text = "".join(out)
     return re.sub(r"\n{3,}", "\n\n", text).strip("\n")
 
@@ -331,7 +333,7 @@ def is_stub_error(ename: str, evalue: str, traceback: Iterable[str]) -> bool:
 
 
 def _stub_cells(nb: nbformat.NotebookNode) -> list[int]:
-    marker = f"raise NotImplementedError(\"{STUB_PREFIX}"
+    marker = f'raise NotImplementedError("{STUB_PREFIX}'
     return [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and marker in cell.source]
 
 

@@ -9,13 +9,13 @@ Outside IPython (a script, or a worker process whose stdout reaches the notebook
 record is printed as one line: ``labkit-record {"key": ..., "value": ...}``.
 ``read_records`` also reads such lines from a notebook's stream outputs.
 """
+
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
 from typing import Any
-
 
 RECORD_MIME = "application/vnd.labkit.record+json"
 LINE_PREFIX = "labkit-record "
@@ -94,7 +94,7 @@ def _records_in_output(output: Any) -> list[dict[str, Any]]:
         for line in text.splitlines():
             if line.startswith(LINE_PREFIX):
                 try:
-                    payload = json.loads(line[len(LINE_PREFIX):])
+                    payload = json.loads(line[len(LINE_PREFIX) :])
                 except json.JSONDecodeError:
                     continue  # a line cut by interleaved output from several processes
                 if isinstance(payload, dict) and "key" in payload:

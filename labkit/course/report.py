@@ -14,6 +14,7 @@ The headline metric of a lab is its records ``before``, ``after``, ``limit`` and
 (and optionally ``metric``, its name). With ``html=True`` each executed notebook is also
 converted to HTML next to it (nbconvert), figures included.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,9 @@ def _html(notebook: Path) -> tuple[Path | None, str | None]:
         import nbformat
 
         nb = nbformat.read(str(notebook), as_version=4)
-        body, _ = nbconvert.HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": notebook.stem}})
+        body, _ = nbconvert.HTMLExporter().from_notebook_node(
+            nb, resources={"metadata": {"name": notebook.stem}}
+        )
     except Exception as exc:  # a report without HTML is still a report
         return None, f"{type(exc).__name__}: {exc}"
     target = notebook.with_suffix(".html")
@@ -100,15 +103,27 @@ def _header(context: dict[str, Any] | None) -> list[str]:
     if not context:
         return []
     facts = [f"{k} {context[k]}" for k in ("python", "torch", "labkit") if context.get(k)]
-    lines = [f"Run on {context.get('date', '?')}, {context.get('machine', '?')}; {', '.join(facts)}; "
-             f"commit {context.get('commit') or 'unknown (not a git checkout)'}.", ""]
+    lines = [
+        f"Run on {context.get('date', '?')}, {context.get('machine', '?')}; {', '.join(facts)}; "
+        f"commit {context.get('commit') or 'unknown (not a git checkout)'}.",
+        "",
+    ]
     if context.get("cluster"):
-        lines += ["Cluster (as `labkit.Cluster.resolve` sees it for 2 ranks):", "", "```",
-                  str(context["cluster"]).rstrip(), "```", ""]
+        lines += [
+            "Cluster (as `labkit.Cluster.resolve` sees it for 2 ranks):",
+            "",
+            "```",
+            str(context["cluster"]).rstrip(),
+            "```",
+            "",
+        ]
     cal = context.get("calibration")
     if cal:
-        lines += [f"Emulated links scaled to this CPU's {cal['gflops']:.1f} GFLOP/s per core "
-                  f"({cal['source']}; {cal['machine']}).", ""]
+        lines += [
+            f"Emulated links scaled to this CPU's {cal['gflops']:.1f} GFLOP/s per core "
+            f"({cal['source']}; {cal['machine']}).",
+            "",
+        ]
     return lines
 
 
@@ -127,8 +142,10 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
             heads.append(k)
     lines = ["| " + " | ".join(heads) + " |", "| " + " | ".join("---" for _ in heads) + " |"]
     for row in rows:
-        cells = [_fmt(row.get(k) * scale[k] if k in scale and isinstance(row.get(k), (int, float)) else row.get(k))
-                 for k in keys]
+        cells = [
+            _fmt(row.get(k) * scale[k] if k in scale and isinstance(row.get(k), (int, float)) else row.get(k))
+            for k in keys
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -174,7 +191,9 @@ def _markdown(entries: list[dict[str, Any]], context: dict[str, Any] | None = No
             lines += [" | ".join(links), ""]
         meaning = e["records"].get("meaning")
         if isinstance(meaning, dict):  # what before, after and limit are in this lab
-            order = [k for k in ("before", "after", "limit") if k in meaning] + sorted(set(meaning) - {"before", "after", "limit"})
+            order = [k for k in ("before", "after", "limit") if k in meaning] + sorted(
+                set(meaning) - {"before", "after", "limit"}
+            )
             lines += [f"- **{k}**: {_fmt(meaning[k])}" for k in order] + [""]
         plain = {k: v for k, v in e["records"].items() if k != "meaning" and not _is_table(v)}
         if plain:
@@ -196,8 +215,12 @@ def _markdown(entries: list[dict[str, Any]], context: dict[str, Any] | None = No
     return text.rstrip("\n") + "\n"
 
 
-def write_report(run_dir: str | Path, results: list[dict[str, Any]], html: bool = True,
-                 context: dict[str, Any] | None = None) -> tuple[Path, Path]:
+def write_report(
+    run_dir: str | Path,
+    results: list[dict[str, Any]],
+    html: bool = True,
+    context: dict[str, Any] | None = None,
+) -> tuple[Path, Path]:
     """Write ``run_dir/report.json`` and ``run_dir/report.md``; return their paths.
 
     ``context`` (``labkit.course.runs.run_context``: machine, cluster, calibration, versions,

@@ -28,7 +28,6 @@ from labkit.emulate.process_group import (
 )
 from labkit.emulate.record import CollectiveRecord, diagnose_hang, read_records
 
-
 __all__ = [
     "BACKEND_NAME",
     "CLOCK_ENV",

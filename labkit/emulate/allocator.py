@@ -60,7 +60,7 @@ def format_size(nbytes: int) -> str:
 class _Block:
     """A `Block`: a range of a segment (a segment is its first block), allocated or free, mapped or not."""
 
-    __slots__ = ("small", "expandable", "addr", "size", "allocated", "mapped", "prev", "next")
+    __slots__ = ("addr", "allocated", "expandable", "mapped", "next", "prev", "size", "small")
 
     def __init__(self, small: bool, expandable: bool, addr: int, size: int, mapped: bool = True) -> None:
         self.small, self.expandable, self.addr, self.size, self.mapped = small, expandable, addr, size, mapped
@@ -86,18 +86,34 @@ class CachingAllocator:
     would say: bytes in allocated blocks (rounded sizes), bytes in segments or mapped pages.
     """
 
-    def __init__(self, capacity_bytes: int, *, expandable_segments: bool = False,
-                 max_split_size: int | None = None, device: str = "GPU 0") -> None:
-        validate.positive_int("CachingAllocator capacity_bytes", capacity_bytes, "CachingAllocator(256 * 2**20)")
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        expandable_segments: bool = False,
+        max_split_size: int | None = None,
+        device: str = "GPU 0",
+    ) -> None:
+        validate.positive_int(
+            "CachingAllocator capacity_bytes", capacity_bytes, "CachingAllocator(256 * 2**20)"
+        )
         validate.one_of("expandable_segments", expandable_segments, (False, True), "expandable_segments=True")
         # parseMaxSplitSize: max_split_size_mb >= kLargeBuffer / MiB.
-        if max_split_size is not None and validate.positive_int("max_split_size", max_split_size) < kLargeBuffer:
-            raise ValueError(f"max_split_size={max_split_size!r} must be >= {kLargeBuffer} (20 MiB, as "
-                             "max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF); e.g. max_split_size=64 * 2**20")
+        if (
+            max_split_size is not None
+            and validate.positive_int("max_split_size", max_split_size) < kLargeBuffer
+        ):
+            raise ValueError(
+                f"max_split_size={max_split_size!r} must be >= {kLargeBuffer} (20 MiB, as "
+                "max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF); e.g. max_split_size=64 * 2**20"
+            )
         self.capacity_bytes, self.device = int(capacity_bytes), device
         self.expandable_segments, self.max_split_size = bool(expandable_segments), max_split_size
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
-        self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # sorted (size, addr, b)
+        self._free: dict[bool, list[tuple[int, int, _Block]]] = {
+            True: [],
+            False: [],
+        }  # sorted (size, addr, b)
         self._segments: list[_Block] = []  # cudaMalloc'ed segments (their first blocks)
         self._expandable: dict[bool, _Block] = {}  # small? -> that pool's expandable segment
         self._live: dict[int, _Block] = {}
@@ -109,7 +125,9 @@ class CachingAllocator:
         size = round_size(nbytes)
         small = size <= kSmallSize  # get_pool
         block = self._get_free_block(small, size)
-        if block is None:  # alloc_block, else release_available_cached_blocks, else release_cached_blocks, else OOM
+        if (
+            block is None
+        ):  # alloc_block, else release_available_cached_blocks, else release_cached_blocks, else OOM
             attempt = self._map_pages if self.expandable_segments else self._cuda_malloc
             block = attempt(small, size)
             if block is None and self._release_available_cached_blocks(small, size):
@@ -120,8 +138,11 @@ class CachingAllocator:
             if block is None:
                 raise self._oom(nbytes, size)
         rest = block.size - size  # alloc_found_block: split when should_split says so
-        if ((rest >= kMinBlockSize) if small or self.expandable_segments else
-                (self.max_split_size is None or size < self.max_split_size) and rest > kSmallSize):
+        if (
+            (rest >= kMinBlockSize)
+            if small or self.expandable_segments
+            else (self.max_split_size is None or size < self.max_split_size) and rest > kSmallSize
+        ):
             self._insert_free(block.split(size))
         block.allocated = True
         self._live[block.addr] = block
@@ -133,8 +154,10 @@ class CachingAllocator:
         """`free_block`: back to its pool's cache, merged with free neighbours; the segment stays."""
         block = self._live.pop(handle, None)
         if block is None:
-            raise ValueError(f"handle={handle!r} must be a live allocation of this CachingAllocator (a "
-                             "value malloc() returned, freed once); e.g. h = alloc.malloc(n); alloc.free(h)")
+            raise ValueError(
+                f"handle={handle!r} must be a live allocation of this CachingAllocator (a "
+                "value malloc() returned, freed once); e.g. h = alloc.malloc(n); alloc.free(h)"
+            )
         block.allocated = False
         self.allocated -= block.size
         self._insert_free(self._merge(block))
@@ -160,8 +183,12 @@ class CachingAllocator:
     @property
     def inactive_split(self) -> int:
         """Free bytes in split segments (memory_stats "inactive_split_bytes"; not expandable, as there)."""
-        return sum(b.size for lst in self._free.values() for _, _, b in lst
-                   if not b.expandable and (b.prev is not None or b.next is not None))
+        return sum(
+            b.size
+            for lst in self._free.values()
+            for _, _, b in lst
+            if not b.expandable and (b.prev is not None or b.next is not None)
+        )
 
     @property
     def largest_free_block(self) -> int:
@@ -179,8 +206,15 @@ class CachingAllocator:
                     blocks.append((b.addr - base, b.size, b.allocated))
                     b = b.next
                 if blocks:
-                    out.append({"address": base, "pool": pool, "expandable": expandable,
-                                "size": sum(n for _, n, _ in blocks), "blocks": blocks})
+                    out.append(
+                        {
+                            "address": base,
+                            "pool": pool,
+                            "expandable": expandable,
+                            "size": sum(n for _, n, _ in blocks),
+                            "blocks": blocks,
+                        }
+                    )
                 b = b.next if b is not None else None
         return sorted(out, key=lambda seg: seg["address"])
 
@@ -310,8 +344,12 @@ class CachingAllocator:
     def _oom(self, nbytes: int, size: int) -> torch.OutOfMemoryError:
         """malloc's OutOfMemoryError; the hint only when the cache holds the request's bytes, in pieces."""
         unallocated = self.reserved - self.allocated
-        hint = (" If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
-                "True to avoid fragmentation." if not self.expandable_segments and unallocated >= size else "")
+        hint = (
+            " If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
+            "True to avoid fragmentation."
+            if not self.expandable_segments and unallocated >= size
+            else ""
+        )
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_size(allocation_size(size))}. {self.device} has a total "
             f"capacity of {format_size(self.capacity_bytes)} of which "
@@ -319,4 +357,5 @@ class CachingAllocator:
             f"{format_size(self.allocated)} is allocated by PyTorch, and "
             f"{format_size(unallocated)} is reserved by PyTorch but unallocated.{hint} Largest free cached block: "
             f"{format_size(self.largest_free_block)}; request: {format_size(nbytes)}, rounded to "
-            f"{format_size(size)} (emulated caching allocator)")
+            f"{format_size(size)} (emulated caching allocator)"
+        )

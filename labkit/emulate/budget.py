@@ -48,21 +48,38 @@ class MemoryBudget(compat.TorchDispatchMode):
     `allocated` and `peak` without one).
     """
 
-    def __init__(self, limit_bytes: int, *, rank: int = 0, device_name: str = "emulated GPU",
-                 allocator: CachingAllocator | str | None = None) -> None:
+    def __init__(
+        self,
+        limit_bytes: int,
+        *,
+        rank: int = 0,
+        device_name: str = "emulated GPU",
+        allocator: CachingAllocator | str | None = None,
+    ) -> None:
         super().__init__()
-        validate.positive_int("MemoryBudget limit_bytes", limit_bytes, "MemoryBudget(256 * 2**20) for 256 MiB")
+        validate.positive_int(
+            "MemoryBudget limit_bytes", limit_bytes, "MemoryBudget(256 * 2**20) for 256 MiB"
+        )
         self.limit_bytes = int(limit_bytes)
         self.rank = rank
         self.device_name = device_name
         if allocator is not None and not isinstance(allocator, CachingAllocator):
-            validate.one_of("MemoryBudget allocator", allocator, ("caching", "expandable"),
-                            'MemoryBudget(n, allocator="caching") or allocator=CachingAllocator(n)')
-            allocator = CachingAllocator(self.limit_bytes, expandable_segments=allocator == "expandable",
-                                         device=f"Rank {rank}'s {device_name}")
+            validate.one_of(
+                "MemoryBudget allocator",
+                allocator,
+                ("caching", "expandable"),
+                'MemoryBudget(n, allocator="caching") or allocator=CachingAllocator(n)',
+            )
+            allocator = CachingAllocator(
+                self.limit_bytes,
+                expandable_segments=allocator == "expandable",
+                device=f"Rank {rank}'s {device_name}",
+            )
         elif allocator is not None and allocator.capacity_bytes != self.limit_bytes:
-            raise ValueError(f"allocator.capacity_bytes={allocator.capacity_bytes} must equal limit_bytes="
-                             f"{self.limit_bytes}; e.g. MemoryBudget(n, allocator=CachingAllocator(n))")
+            raise ValueError(
+                f"allocator.capacity_bytes={allocator.capacity_bytes} must equal limit_bytes="
+                f"{self.limit_bytes}; e.g. MemoryBudget(n, allocator=CachingAllocator(n))"
+            )
         self.allocator = allocator
         self.allocated = 0
         self.peak = 0
@@ -171,5 +188,3 @@ def active_budget() -> MemoryBudget | None:
         if isinstance(mode, MemoryBudget):
             return mode
     return None
-
-

@@ -16,8 +16,9 @@ import os
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,13 @@ from labkit.emulate.record import CollectiveRecord
 from labkit.emulate.timing import VirtualTiming, WallTiming, called_by_ddp_reducer, caller_frame
 from labkit.links import Link, Topology, collective_time_s
 
-__all__ = ["BACKEND_NAME", "EmulatedProcessGroup", "close_groups", "register_backend", "wait_at_end_of_backward"]
+__all__ = [
+    "BACKEND_NAME",
+    "EmulatedProcessGroup",
+    "close_groups",
+    "register_backend",
+    "wait_at_end_of_backward",
+]
 
 BACKEND_NAME = "labkit_emulated"
 TOPOLOGY_ENV = "LABKIT_TOPOLOGY"
@@ -80,7 +87,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     # -- bookkeeping --------------------------------------------------------------
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
     # The C++ base keeps a group's name on its backends, and a Python group has none, so
@@ -92,7 +99,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._group_name
 
-    def _get_backend(self, device: Any) -> "EmulatedProcessGroup":
+    def _get_backend(self, device: Any) -> EmulatedProcessGroup:
         """A Python process group is its own backend. torch 2.14's `batch_isend_irecv` (used by
         `torch.distributed.pipelining`) asks every group for its backend, and the C++ base
         raises for a Python subclass ("No backend type associated with device type cpu");
@@ -171,33 +178,50 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
-        return self._later(lambda: self._inner.allreduce(tensors, opts), "all_reduce", tensors, _nbytes(tensors))
+        return self._later(
+            lambda: self._inner.allreduce(tensors, opts), "all_reduce", tensors, _nbytes(tensors)
+        )
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
-        return self._later(lambda: self._inner.allreduce_coalesced(tensors, opts), "all_reduce", tensors,
-                           _nbytes(tensors))
+        return self._later(
+            lambda: self._inner.allreduce_coalesced(tensors, opts), "all_reduce", tensors, _nbytes(tensors)
+        )
 
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
-        return self._later(lambda: self._inner.broadcast(tensors, opts), "broadcast", tensors, _nbytes(tensors))
+        return self._later(
+            lambda: self._inner.broadcast(tensors, opts), "broadcast", tensors, _nbytes(tensors)
+        )
 
     def allgather(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
-        return self._later(lambda: self._inner.allgather(outputs, inputs, opts), "all_gather", inputs,
-                           _nbytes(inputs) * self.size(), result=outputs)
+        return self._later(
+            lambda: self._inner.allgather(outputs, inputs, opts),
+            "all_gather",
+            inputs,
+            _nbytes(inputs) * self.size(),
+            result=outputs,
+        )
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
-        return self._later(lambda: compat.allgather_base(self._inner, output, input, opts), "all_gather", [input],
-                           _nbytes([output]), result=[output])
+        return self._later(
+            lambda: compat.allgather_base(self._inner, output, input, opts),
+            "all_gather",
+            [input],
+            _nbytes([output]),
+            result=[output],
+        )
 
     def all_gather_single(self, output, input, opts=None):
         return self._allgather_base(output, input, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
-        start = lambda: _AllWork([compat.allgather_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)])  # noqa: E731
+        start = lambda: _AllWork(
+            [compat.allgather_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)]
+        )
         return self._later(start, "all_gather", inputs, _nbytes(outputs), result=outputs)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
@@ -205,20 +229,31 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        return self._later(lambda: self._inner.reduce_scatter(outputs, inputs, opts), "reduce_scatter", outputs,
-                           _nbytes(outputs) * self.size())
+        return self._later(
+            lambda: self._inner.reduce_scatter(outputs, inputs, opts),
+            "reduce_scatter",
+            outputs,
+            _nbytes(outputs) * self.size(),
+        )
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        return self._later(lambda: compat.reduce_scatter_base(self._inner, output, input, opts), "reduce_scatter",
-                           [output], _nbytes([input]), result=[output])
+        return self._later(
+            lambda: compat.reduce_scatter_base(self._inner, output, input, opts),
+            "reduce_scatter",
+            [output],
+            _nbytes([input]),
+            result=[output],
+        )
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        start = lambda: _AllWork([compat.reduce_scatter_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)])  # noqa: E731
+        start = lambda: _AllWork(
+            [compat.reduce_scatter_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)]
+        )
         return self._later(start, "reduce_scatter", outputs, _nbytes(inputs))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
@@ -228,7 +263,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllToAllOptions()
         return self._later(
             lambda: self._inner.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
-            "all_to_all", [input], _nbytes([input]), result=[output])
+            "all_to_all",
+            [input],
+            _nbytes([input]),
+            result=[output],
+        )
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
@@ -239,19 +278,32 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def gather(self, outputs, inputs, opts=None):
         opts = opts or dist.GatherOptions()
-        return self._later(lambda: self._inner.gather(outputs, inputs, opts), "gather", inputs,
-                           _nbytes(inputs) * self.size(), result=inputs)
+        return self._later(
+            lambda: self._inner.gather(outputs, inputs, opts),
+            "gather",
+            inputs,
+            _nbytes(inputs) * self.size(),
+            result=inputs,
+        )
 
     def scatter(self, outputs, inputs, opts=None):
         opts = opts or dist.ScatterOptions()
-        return self._later(lambda: self._inner.scatter(outputs, inputs, opts), "scatter", outputs,
-                           _nbytes(outputs) * self.size())
+        return self._later(
+            lambda: self._inner.scatter(outputs, inputs, opts),
+            "scatter",
+            outputs,
+            _nbytes(outputs) * self.size(),
+        )
 
     def send(self, tensors, dst, tag=0):
-        return self._later(lambda: self._inner.send(tensors, dst, tag), "send", tensors, _nbytes(tensors), peer=dst)
+        return self._later(
+            lambda: self._inner.send(tensors, dst, tag), "send", tensors, _nbytes(tensors), peer=dst
+        )
 
     def recv(self, tensors, src, tag=0):
-        return self._later(lambda: self._inner.recv(tensors, src, tag), "recv", tensors, _nbytes(tensors), peer=src)
+        return self._later(
+            lambda: self._inner.recv(tensors, src, tag), "recv", tensors, _nbytes(tensors), peer=src
+        )
 
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
@@ -318,9 +370,14 @@ def _create_emulated_pg(opts, backend_options) -> EmulatedProcessGroup:
     path = None
     if record_dir and ranks == list(range(int(os.environ.get("WORLD_SIZE", opts.group_size)))):
         path = os.path.join(record_dir, f"record{opts.group_rank}.json")  # the world group only
-    timing = (VirtualTiming(opts.store, opts.group_rank, opts.group_size, rank_clock())
-              if os.environ.get(CLOCK_ENV, "virtual") == "virtual" else WallTiming())
-    pg = EmulatedProcessGroup(inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path, timing)
+    timing = (
+        VirtualTiming(opts.store, opts.group_rank, opts.group_size, rank_clock())
+        if os.environ.get(CLOCK_ENV, "virtual") == "virtual"
+        else WallTiming()
+    )
+    pg = EmulatedProcessGroup(
+        inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path, timing
+    )
     pg._set_group_name(opts.group_id)  # torch returns a Python group as it is, before naming it
     return pg
 
@@ -330,7 +387,6 @@ def register_backend() -> str:
     if not compat.backend_registered(BACKEND_NAME):
         dist.Backend.register_backend(BACKEND_NAME, _create_emulated_pg, extended_api=True, devices=["cpu"])
     return BACKEND_NAME
-
 
 
 def topology_to_env(topology: Topology) -> str:
@@ -361,5 +417,3 @@ def close_groups() -> None:
     for pg in compat.process_groups():
         if isinstance(pg, EmulatedProcessGroup):
             pg.close()
-
-

@@ -96,7 +96,6 @@ class CollectiveRecord:
             return None
 
 
-
 def read_records(run_dir: Path, world_size: int) -> dict[int, dict]:
     """Each rank's collective record, from the files the emulated process group keeps."""
     records = {}
@@ -159,5 +158,3 @@ def diagnose_hang(records: dict[int, dict], world_size: int) -> tuple[str, int |
         "Every rank must call the same collectives, in the same order, with the same shapes and dtypes."
     )
     return "\n".join(lines), culprit
-
-

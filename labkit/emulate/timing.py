@@ -42,8 +42,9 @@ class WallTiming:
         self._busy_until = {"coll": 0.0, "send": 0.0, "recv": 0.0}
         self._lock = threading.Lock()
 
-    def issue(self, op: str, seconds: float, peer: int | None, name: str = "",
-              nbytes: int = 0) -> tuple[float, float | None]:
+    def issue(
+        self, op: str, seconds: float, peer: int | None, name: str = "", nbytes: int = 0
+    ) -> tuple[float, float | None]:
         lane = "coll" if peer is None else op
         with self._lock:
             start = max(time.perf_counter(), self._busy_until[lane])

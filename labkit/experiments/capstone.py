@@ -65,12 +65,22 @@ class TrainingJob:
 
     global_batch: int = 16  # sequences per optimizer step, all ranks together: the job's contract, keep it
     micro_batch: int = 4  # sequences per rank in one forward and backward
-    grad_sync: str = "ddp"  # "ddp": DDP's buckets, all-reduced during backward; "per_tensor": each one after it
+    grad_sync: str = (
+        "ddp"  # "ddp": DDP's buckets, all-reduced during backward; "per_tensor": each one after it
+    )
     bucket_cap_mb: float = 1.0  # DDP's bucket size
-    eval_rank: int | None = None  # the held-out batch, every step: None, each rank its share; r: rank r all of it
-    tokenize: str = "ahead"  # "ahead": every sample tokenized once before training; "in_loader": as it is fetched
-    accuracy: str = "local"  # the logged metric: "local" (reduced asynchronously) or "gathered" (logits, blocking)
-    checkpointing: bool = False  # activation checkpointing of every block (recomputes the forward in backward)
+    eval_rank: int | None = (
+        None  # the held-out batch, every step: None, each rank its share; r: rank r all of it
+    )
+    tokenize: str = (
+        "ahead"  # "ahead": every sample tokenized once before training; "in_loader": as it is fetched
+    )
+    accuracy: str = (
+        "local"  # the logged metric: "local" (reduced asynchronously) or "gathered" (logits, blocking)
+    )
+    checkpointing: bool = (
+        False  # activation checkpointing of every block (recomputes the forward in backward)
+    )
 
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank (`labkit.batch.accumulation_steps`)."""
@@ -84,8 +94,10 @@ class TrainingJob:
         validate.one_of("accuracy", self.accuracy, ("local", "gathered"), 'accuracy="local"')
         validate.positive_number("bucket_cap_mb", self.bucket_cap_mb, "1.0 (MiB)")
         if self.eval_rank is not None and not 0 <= self.eval_rank < world_size:
-            raise ValueError(f"eval_rank={self.eval_rank} is not a rank of {world_size}: None (shared) or "
-                             f"0..{world_size - 1}")
+            raise ValueError(
+                f"eval_rank={self.eval_rank} is not a rank of {world_size}: None (shared) or "
+                f"0..{world_size - 1}"
+            )
 
 
 @dataclass(frozen=True)
@@ -127,8 +139,9 @@ def _plant(clean: TrainingJob, mistakes: Sequence[str], world_size: int, rng: ra
     return dataclasses.replace(clean, **knobs)
 
 
-def draw(seed: int, *, world_size: int = 2, model: GPTConfig | None = None,
-         memory_mib: float | None = None) -> Capstone:
+def draw(
+    seed: int, *, world_size: int = 2, model: GPTConfig | None = None, memory_mib: float | None = None
+) -> Capstone:
     """Deal the capstone of `seed`: two or three of `MISTAKES` planted in one data-parallel job.
 
     `memory_mib`: each rank's GPU memory; by default 1.6x what the clean job's step needs by
@@ -146,8 +159,9 @@ def draw(seed: int, *, world_size: int = 2, model: GPTConfig | None = None,
     clean = TrainingJob(global_batch=8 * world_size, micro_batch=4)
     job = _plant(clean, planted, world_size, rng)
     if memory_mib is None:
-        need = estimate(model=model, micro_batch=clean.micro_batch, optimizer="adam", precision="fp32",
-                        keep_grads=True).peak  # accumulating: gradients beside the next micro-batch's activations
+        need = estimate(
+            model=model, micro_batch=clean.micro_batch, optimizer="adam", precision="fp32", keep_grads=True
+        ).peak  # accumulating: gradients beside the next micro-batch's activations
         memory_mib = round(1.6 * need / _MIB, 1)
     validate.positive_number("memory_mib", memory_mib, "draw(seed, memory_mib=64)")
     return Capstone(seed, world_size, model, job, float(memory_mib), planted, clean)
@@ -163,16 +177,26 @@ def job_name(job: TrainingJob, clean: TrainingJob | None = None) -> str:
 class _Run:
     """One job on this rank: its own seeded model (under DDP or not), data, optimizer and held-out batch."""
 
-    def __init__(self, cap: Capstone, job: TrainingJob, batches: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, cap: Capstone, job: TrainingJob, batches: int, group: dist.ProcessGroup | None
+    ) -> None:
         job.check(dist.get_world_size(group))
         self.job, self.group = job, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.acc = job.accumulation(self.world)
         self.dev = dev = runtime.device()
         self.model = seeded_model(cap.model, cap.seed, dev, checkpointing=job.checkpointing)
-        self.ddp = self.model if job.grad_sync == "per_tensor" else DistributedDataParallel(
-            self.model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=job.bucket_cap_mb,
-            gradient_as_bucket_view=True, process_group=group)
+        self.ddp = (
+            self.model
+            if job.grad_sync == "per_tensor"
+            else DistributedDataParallel(
+                self.model,
+                device_ids=[dev.index] if dev.type == "cuda" else None,
+                bucket_cap_mb=job.bucket_cap_mb,
+                gradient_as_bucket_view=True,
+                process_group=group,
+            )
+        )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
         share = job.micro_batch * self.acc
         # the slow tokenizer costs about what the step's forward and backward do, measured on this machine
@@ -180,8 +204,9 @@ class _Run:
         data = SequenceDataset(cap.model, share * batches, cap.seed * 1000 + self.rank, passes)
         if job.tokenize == "ahead":
             data.prepare()  # before training: in no step
-        self.batches = iter(torch.utils.data.DataLoader(data, batch_size=job.micro_batch, shuffle=False,
-                                                        num_workers=0))
+        self.batches = iter(
+            torch.utils.data.DataLoader(data, batch_size=job.micro_batch, shuffle=False, num_workers=0)
+        )
         # every rank holds the held-out batch; who evaluates which rows is the job's choice
         self.val_x, self.val_y = synthetic_batch(cap.model, cap.eval_samples, seed=cap.seed + 7, device=dev)
 
@@ -192,12 +217,15 @@ class _Run:
 
     def _log_accuracy(self, logits: torch.Tensor, y: torch.Tensor) -> Any:
         with phase("logging"):
-            if self.job.accuracy == "local":  # this rank's hits, reduced asynchronously: waited for at the end
+            if (
+                self.job.accuracy == "local"
+            ):  # this rank's hits, reduced asynchronously: waited for at the end
                 hits = (logits.argmax(-1) == y).float().sum()
                 stats = torch.stack([hits, torch.tensor(float(y.numel()), device=hits.device)])
                 return dist.all_reduce(stats.to(self.dev), group=self.group, async_op=True)
-            everyone = torch.empty((self.world * len(logits), *logits.shape[1:]), dtype=logits.dtype,
-                                   device=self.dev)
+            everyone = torch.empty(
+                (self.world * len(logits), *logits.shape[1:]), dtype=logits.dtype, device=self.dev
+            )
             dist.all_gather_single(everyone, logits.detach().contiguous(), group=self.group)
             (everyone.argmax(-1) == y.repeat(self.world, 1)).float().mean()
             return None
@@ -250,7 +278,9 @@ def _memory_of_gpu(memory_mib: float, rank: int, run: _Run) -> Iterator[emulate.
         total = torch.cuda.get_device_properties(dev).total_memory
         # what this process holds already (the model, other jobs' cached blocks, cuBLAS workspaces) stays
         # outside the job's memory: the cap is on reserved memory (set_per_process_memory_fraction)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(dev) + limit) / total), dev)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, (torch.cuda.memory_reserved(dev) + limit) / total), dev
+        )
         try:
             yield None
         finally:
@@ -268,9 +298,17 @@ def _peak_mib(run: _Run, before: int) -> float:
     return peak[0] / _MIB if peak is not None else float("nan")
 
 
-def train(cap: Capstone, jobs: Sequence[TrainingJob], trace_dir: str, *, steps: int = 2, warmup: int = 1,
-          trace_steps: int = 3, same_core: bool = True,
-          process_group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
+def train(
+    cap: Capstone,
+    jobs: Sequence[TrainingJob],
+    trace_dir: str,
+    *,
+    steps: int = 2,
+    warmup: int = 1,
+    trace_steps: int = 3,
+    same_core: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> list[dict[str, Any]]:
     """Every rank: run each of `jobs` (see the module docstring); per job this rank's memory, times and traces.
 
     An OOM in a job's memory steps raises `torch.OutOfMemoryError` (the launch then raises `RankError`).
@@ -280,8 +318,10 @@ def train(cap: Capstone, jobs: Sequence[TrainingJob], trace_dir: str, *, steps: 
     validate.positive_int("steps", steps, "train(cap, jobs, dir, steps=2)")
     validate.positive_int("trace_steps", trace_steps, "train(cap, jobs, dir, trace_steps=3)")
     if dist.get_world_size(process_group) != cap.world_size:
-        raise ValueError(f"the capstone was dealt for {cap.world_size} ranks, launched on "
-                         f"{dist.get_world_size(process_group)}: launch(train, ..., world_size={cap.world_size})")
+        raise ValueError(
+            f"the capstone was dealt for {cap.world_size} ranks, launched on "
+            f"{dist.get_world_size(process_group)}: launch(train, ..., world_size={cap.world_size})"
+        )
     if same_core:
         runtime.share_one_core()
     rank = dist.get_rank(process_group)
@@ -291,7 +331,9 @@ def train(cap: Capstone, jobs: Sequence[TrainingJob], trace_dir: str, *, steps: 
         run = _Run(cap, job, batches=2 + warmup + steps + 1 + trace_steps, group=process_group)
         with _memory_of_gpu(cap.memory_mib, rank, run) as budget:
             run.step()  # creates AdamW's states; DDP rebuilds its buckets in gradient order
-            if budget is not None:  # DDP made its gradient buckets before the budget: the gradients view them now
+            if (
+                budget is not None
+            ):  # DDP made its gradient buckets before the budget: the gradients view them now
                 budget.track(*(p.grad for p in run.model.parameters() if p.grad is not None))
             runtime.reset_peak_memory_stats()
             run.step()  # the peak of a steady step: everything a step holds at once
@@ -310,23 +352,42 @@ def train(cap: Capstone, jobs: Sequence[TrainingJob], trace_dir: str, *, steps: 
         dist.barrier(group=process_group)
         folder = Path(trace_dir) / f"{i}_{job_name(run.job, cap.clean)}"  # the index: two jobs may be alike
         path = capture(run.step, steps=trace_steps, warmup=1, path=folder / "trace_rank{rank}.json")
-        out.append({"job": run.job, "rank": rank, "peak_mib": peak, "step_ms": t[warmup:],
-                    "median_ms": statistics.median(t[warmup:]), "loss": loss, "traces": str(path.parent)})
+        out.append(
+            {
+                "job": run.job,
+                "rank": rank,
+                "peak_mib": peak,
+                "step_ms": t[warmup:],
+                "median_ms": statistics.median(t[warmup:]),
+                "loss": loss,
+                "traces": str(path.parent),
+            }
+        )
     return out
 
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
-DEFAULTS: dict[str, Any] = {"world_size": 2, "capstone_seed": 0, "steps": 2, "trace_steps": 3, "trace_dir": "traces_06",
-                            "timeout_s": 120}
+DEFAULTS: dict[str, Any] = {
+    "world_size": 2,
+    "capstone_seed": 0,
+    "steps": 2,
+    "trace_steps": 3,
+    "trace_dir": "traces_06",
+    "timeout_s": 120,
+}
 # A kind of labkit.trace.findings: the capstone mistake it shows, and the knobs that fix it (the notebook's exercise 2)
-_KNOB_FIXES = {"small_collectives": ("per_tensor_allreduce", {"grad_sync": "ddp"}),
-               "straggler": ("straggler", {"eval_rank": None}), "data_loading": ("data_loading", {"tokenize": "ahead"}),
-               "sync_collective": ("sync_logging", {"accuracy": "local"})}
+_KNOB_FIXES = {
+    "small_collectives": ("per_tensor_allreduce", {"grad_sync": "ddp"}),
+    "straggler": ("straggler", {"eval_rank": None}),
+    "data_loading": ("data_loading", {"tokenize": "ahead"}),
+    "sync_collective": ("sync_logging", {"accuracy": "local"}),
+}
 
 
-def headline(w: Where, capstone_seed: int, steps: int, trace_steps: int, trace_dir: str,
-             timeout_s: float) -> dict[str, Any]:
+def headline(
+    w: Where, capstone_seed: int, steps: int, trace_steps: int, trace_dir: str, timeout_s: float
+) -> dict[str, Any]:
     """The capstone's records, found by measurement alone: the job as handed (its micro-batch cut to the largest
     whose estimate fits 90 % of the memory, if it runs out), then rounds of fixing the first of
     `labkit.trace.findings` until the traces show nothing; the limit is the clean job, in the final launch."""
@@ -340,10 +401,20 @@ def headline(w: Where, capstone_seed: int, steps: int, trace_steps: int, trace_d
         from labkit.launcher import RankError
 
         try:
-            per_rank = w.launch(train, cap, jobs, str(folder / name), steps=steps, trace_steps=trace_steps,
-                                timeout_s=timeout_s, deadline_s=timeout_s * 3)
+            per_rank = w.launch(
+                train,
+                cap,
+                jobs,
+                str(folder / name),
+                steps=steps,
+                trace_steps=trace_steps,
+                timeout_s=timeout_s,
+                deadline_s=timeout_s * 3,
+            )
         except RankError as err:
-            if err.exc_type != "OutOfMemoryError":  # under torchrun only the rank that raised has its __cause__
+            if (
+                err.exc_type != "OutOfMemoryError"
+            ):  # under torchrun only the rank that raised has its __cause__
                 raise
             return None
         return [[rank[i] for rank in per_rank] for i in range(len(jobs))]
@@ -357,12 +428,20 @@ def headline(w: Where, capstone_seed: int, steps: int, trace_steps: int, trace_d
     if oom:
         found.append("oom_batch")
         share = job.global_batch // w.world_size
-        fits = [m for m in range(share, 0, -1) if share % m == 0 and estimate(
-            model=cap.model, micro_batch=m, optimizer="adam", precision="fp32", keep_grads=m < share).peak
-            <= 0.9 * cap.memory_mib * _MIB]
+        fits = [
+            m
+            for m in range(share, 0, -1)
+            if share % m == 0
+            and estimate(
+                model=cap.model, micro_batch=m, optimizer="adam", precision="fp32", keep_grads=m < share
+            ).peak
+            <= 0.9 * cap.memory_mib * _MIB
+        ]
         job = dataclasses.replace(job, micro_batch=fits[0] if fits else 1)
         if (runs := attempt([job], "memory_fixed")) is None:
-            raise RuntimeError(f"micro_batch={job.micro_batch} still runs out of {cap.memory_mib} MiB per rank")
+            raise RuntimeError(
+                f"micro_batch={job.micro_batch} still runs out of {cap.memory_mib} MiB per rank"
+            )
     before = ms(runs[0])
     rounds = [{"round": "as it runs", "step_ms": before}]
     seen = findings(Path(runs[0][0]["traces"]))
@@ -379,14 +458,26 @@ def headline(w: Where, capstone_seed: int, steps: int, trace_steps: int, trace_d
     if (final := attempt([job, cap.clean], "final")) is None:
         raise RuntimeError(f"the fixed job or the clean one ran out of {cap.memory_mib} MiB per rank")
     return {
-        "before": before, "after": ms(final[0]), "limit": ms(final[1]), "unit": "ms",
-        "meaning": {"before": "step time of the job as it first ran (after its memory fix, if it did not fit)",
-                    "after": "step time with every mistake the traces pointed to fixed",
-                    "limit": "the same job with nothing planted, measured in the same launch as after"},
+        "before": before,
+        "after": ms(final[0]),
+        "limit": ms(final[1]),
+        "unit": "ms",
+        "meaning": {
+            "before": "step time of the job as it first ran (after its memory fix, if it did not fit)",
+            "after": "step time with every mistake the traces pointed to fixed",
+            "limit": "the same job with nothing planted, measured in the same launch as after",
+        },
         "metric": "step time of a job with two or three planted mistakes, before and after finding and fixing them",
-        "seed": capstone_seed, "oom_at_start": oom, "found": sorted(found), "rounds": rounds, "job_fixed": job.__dict__,
-        "peak_mib": {"fixed": max(r["peak_mib"] for r in final[0]), "clean": max(r["peak_mib"] for r in final[1]),
-                     "memory": cap.memory_mib},
+        "seed": capstone_seed,
+        "oom_at_start": oom,
+        "found": sorted(found),
+        "rounds": rounds,
+        "job_fixed": job.__dict__,
+        "peak_mib": {
+            "fixed": max(r["peak_mib"] for r in final[0]),
+            "clean": max(r["peak_mib"] for r in final[1]),
+            "memory": cap.memory_mib,
+        },
     }
 
 

@@ -26,28 +26,42 @@ DEFAULTS: dict[str, Any] = {"sizes_kib": [4, 64, 1024, 4096], "iters": 20, "time
 def headline(w: Where, sizes_kib: list[float], iters: int, timeout_s: float) -> dict[str, Any]:
     """Lab 00's records: bus bandwidth of the smallest and largest message, against the link's bandwidth."""
     if w.world_size < 2:
-        raise ValueError(f"world_size={w.world_size}: a collective needs two or more ranks (the bus bandwidth of one "
-                         "rank is 0 by definition); use --world-size 2, or torchrun --nproc-per-node 2")
+        raise ValueError(
+            f"world_size={w.world_size}: a collective needs two or more ranks (the bus bandwidth of one "
+            "rank is 0 by definition); use --world-size 2, or torchrun --nproc-per-node 2"
+        )
     sizes = [int(k * 1024) for k in sizes_kib]
     rows = w.launch(bandwidth_test, sizes, iters=iters, timeout_s=timeout_s)[0]
     if w.emulated:
         assert isinstance(w.cluster, Cluster)
-        limit, why = w.cluster.topology().slowest_link(list(range(w.world_size))).bandwidth_gb_s, "the emulated link's β"
+        limit, why = (
+            w.cluster.topology().slowest_link(list(range(w.world_size))).bandwidth_gb_s,
+            "the emulated link's β",
+        )
     elif w.on_gpu and w.nodes == 1:
         from labkit.gpu_links import LIMIT_MEANING
 
-        link = (w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()).intra_node  # torchrun: detect
+        link = (
+            w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()
+        ).intra_node  # torchrun: detect
         limit, why = link.bandwidth_gb_s, f"{link.name}: {LIMIT_MEANING}"
     else:
         limit = None
-        why = ("none known: gloo over this host's loopback (torchrun on CPUs) has no published link figure" if not w.on_gpu
-               else "none known here: across nodes the slowest link is the network, which this script cannot read")
+        why = (
+            "none known: gloo over this host's loopback (torchrun on CPUs) has no published link figure"
+            if not w.on_gpu
+            else "none known here: across nodes the slowest link is the network, which this script cannot read"
+        )
     return {
-        "before": rows[0]["busbw_GBps"], "after": rows[-1]["busbw_GBps"], "limit": limit,
+        "before": rows[0]["busbw_GBps"],
+        "after": rows[-1]["busbw_GBps"],
+        "limit": limit,
         "unit": "GB/s (bus bandwidth)",
-        "meaning": {"before": f"all_reduce bus bandwidth of the smallest message ({rows[0]['size_bytes']} bytes)",
-                    "after": f"bus bandwidth of the largest message ({rows[-1]['size_bytes']} bytes)",
-                    "limit": f"the link's bandwidth, which no message size beats: {why}"},
+        "meaning": {
+            "before": f"all_reduce bus bandwidth of the smallest message ({rows[0]['size_bytes']} bytes)",
+            "after": f"bus bandwidth of the largest message ({rows[-1]['size_bytes']} bytes)",
+            "limit": f"the link's bandwidth, which no message size beats: {why}",
+        },
         "metric": "all_reduce bus bandwidth: smallest vs largest message",
         "sweep": rows,
     }
@@ -58,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from labkit.experiments import cluster_tour  # by its own name, so launch pickles its functions by reference
+    from labkit.experiments import (
+        cluster_tour,
+    )  # by its own name, so launch pickles its functions by reference
 
     raise SystemExit(cluster_tour.main())

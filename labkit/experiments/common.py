@@ -27,22 +27,33 @@ from labkit.trace.commlog import CommLog
 __all__ = ["CountingAllReduce", "max_abs_diff", "rank_rows", "reference_backward", "seeded_model"]
 
 
-def seeded_model(config: GPTConfig, seed: int = 0, device: torch.device | str = "cpu", *,
-                 checkpointing: bool = False) -> GPT:
+def seeded_model(
+    config: GPTConfig, seed: int = 0, device: torch.device | str = "cpu", *, checkpointing: bool = False
+) -> GPT:
     """`GPT(config)` with the weights `torch.manual_seed(seed)` gives, on `device`."""
     torch.manual_seed(seed)
     return GPT(config, checkpointing=checkpointing).to(device)
 
 
-def rank_rows(config: GPTConfig, global_batch: int, rank: int, world_size: int, *, step: int = 0,
-              seed: int = 0, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def rank_rows(
+    config: GPTConfig,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    *,
+    step: int = 0,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s rows (x, y) of global batch number `step` (see the module docstring)."""
     validate.positive_int("global_batch", global_batch)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} must be in 0..{world_size - 1} (world_size={world_size})")
     if global_batch % world_size:
-        raise ValueError(f"global_batch({global_batch}) must divide over world_size({world_size}); "
-                         f"e.g. global_batch={global_batch // world_size * world_size or world_size}")
+        raise ValueError(
+            f"global_batch({global_batch}) must divide over world_size({world_size}); "
+            f"e.g. global_batch={global_batch // world_size * world_size or world_size}"
+        )
     x, y = synthetic_batch(config, global_batch, seed=seed, step=step)
     per_rank = global_batch // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -50,8 +61,9 @@ def rank_rows(config: GPTConfig, global_batch: int, rank: int, world_size: int, 
     return x[rows].clone().to(device), y[rows].clone().to(device)
 
 
-def reference_backward(model: nn.Module, config: GPTConfig, global_batch: int, *, step: int = 0,
-                       seed: int = 0) -> torch.Tensor:
+def reference_backward(
+    model: nn.Module, config: GPTConfig, global_batch: int, *, step: int = 0, seed: int = 0
+) -> torch.Tensor:
     """Zero `model`'s gradients and backpropagate the mean loss of the whole global batch `step`.
 
     This is the single-process run a data-parallel step must match. Returns the loss.

@@ -74,23 +74,36 @@ def _cuda_segments() -> list[dict[str, Any]]:
         for b in seg["blocks"]:
             blocks.append((offset, b["size"], b["state"] == "active_allocated"))
             offset += b["size"]
-        out.append({"address": seg["address"], "pool": seg.get("segment_type", "large"),
-                    "expandable": bool(seg.get("is_expandable", False)), "size": seg["total_size"],
-                    "blocks": blocks})
+        out.append(
+            {
+                "address": seg["address"],
+                "pool": seg.get("segment_type", "large"),
+                "expandable": bool(seg.get("is_expandable", False)),
+                "size": seg["total_size"],
+                "blocks": blocks,
+            }
+        )
     return out
 
 
 def _stats(allocated: int, reserved: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
     free_blocks = [n for s in segments for _, n, used in s["blocks"] if not used]
-    return {"allocated_mib": allocated / MiB, "reserved_mib": reserved / MiB,
-            "free_cached_mib": (reserved - allocated) / MiB,
-            "largest_free_block_mib": max(free_blocks, default=0) / MiB, "segments": segments}
+    return {
+        "allocated_mib": allocated / MiB,
+        "reserved_mib": reserved / MiB,
+        "free_cached_mib": (reserved - allocated) / MiB,
+        "largest_free_block_mib": max(free_blocks, default=0) / MiB,
+        "segments": segments,
+    }
 
 
 def _on_cpu(limit_mib: int, fix: str | None) -> dict[str, Any]:
-    allocator = CachingAllocator(limit_mib * MiB, expandable_segments=fix == "expandable_segments",
-                                 max_split_size=100 * MiB if fix == "max_split_size" else None,
-                                 device="the emulated GPU")
+    allocator = CachingAllocator(
+        limit_mib * MiB,
+        expandable_segments=fix == "expandable_segments",
+        max_split_size=100 * MiB if fix == "max_split_size" else None,
+        device="the emulated GPU",
+    )
     with MemoryBudget(limit_mib * MiB, allocator=allocator):
         kept, oom = _pattern(fix, torch.device("cpu"), allocator.empty_cache)
         result = _stats(allocator.allocated, allocator.reserved, allocator.segments())
@@ -111,22 +124,28 @@ def _on_gpu(limit_mib: int, fix: str | None, device: torch.device) -> dict[str, 
     try:
         kept, oom = _pattern(fix, device, torch.cuda.empty_cache)
         segments = [s for s in _cuda_segments() if s["pool"] == "large"]
-        result = _stats(torch.cuda.memory_allocated(device) - base_allocated,
-                        torch.cuda.memory_reserved(device) - base, segments)
+        result = _stats(
+            torch.cuda.memory_allocated(device) - base_allocated,
+            torch.cuda.memory_reserved(device) - base,
+            segments,
+        )
         del kept
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         if fix in settings:
             # back to the defaults; max_split_size has no "unlimited" word: the largest value is (c10's
             # parseMaxSplitSize clamps to SIZE_MAX / MiB)
-            compat.set_cuda_allocator_settings("max_split_size_mb:17592186044415" if fix == "max_split_size"
-                                               else "expandable_segments:False")
+            compat.set_cuda_allocator_settings(
+                "max_split_size_mb:17592186044415" if fix == "max_split_size" else "expandable_segments:False"
+            )
         gc.collect()
         torch.cuda.empty_cache()
     return {**result, "oom": oom, "measured_by": "torch.cuda (the real caching allocator)"}
 
 
-def fragment(limit_mib: int = 180, fix: str | None = None, *, device: torch.device | str | None = None) -> dict[str, Any]:
+def fragment(
+    limit_mib: int = 180, fix: str | None = None, *, device: torch.device | str | None = None
+) -> dict[str, Any]:
     """Run the fragmenting pattern under `limit_mib` of memory, with one of `FIXES`.
 
     Returns {"oom": the error message or None, "allocated_mib", "reserved_mib", "free_cached_mib",

@@ -27,12 +27,34 @@ from labkit import emulate, runtime, validate
 from labkit.experiments.common import seeded_model
 from labkit.experiments.script import Where, run_lab
 from labkit.models import GPTConfig, synthetic_batch
-from labkit.parallel.pipeline import clock_stages, even_split, gpt_loss, layer_names, make_schedule, pipeline_stages
-from labkit.pipeline import (LayerProfile, balance, bubble_fraction, choose_micro_batches, ideal_step_time,
-                             profile_layers)
+from labkit.parallel.pipeline import (
+    clock_stages,
+    even_split,
+    gpt_loss,
+    layer_names,
+    make_schedule,
+    pipeline_stages,
+)
+from labkit.pipeline import (
+    LayerProfile,
+    balance,
+    bubble_fraction,
+    choose_micro_batches,
+    ideal_step_time,
+    profile_layers,
+)
 
-__all__ = ["DEFAULTS", "Plan", "PipelineRankResult", "PipelineSummary", "headline", "layer_costs", "main", "pipeline_steps",
-           "summarize_pipeline"]
+__all__ = [
+    "DEFAULTS",
+    "PipelineRankResult",
+    "PipelineSummary",
+    "Plan",
+    "headline",
+    "layer_costs",
+    "main",
+    "pipeline_steps",
+    "summarize_pipeline",
+]
 
 
 @dataclass
@@ -76,11 +98,20 @@ def _timed_loss(spans: list, stage_index: int) -> Callable:
 def _merge_loss(spans: list) -> list:
     """Fold each loss span into its micro-batch's forward (the head's forward includes the loss)."""
     loss = {(s, mb): e for k, s, mb, _, e in spans if k == "L"}
-    return [(k, s, mb, a, max(b, loss.get((s, mb), b)) if k == "F" else b) for k, s, mb, a, b in spans if k != "L"]
+    return [
+        (k, s, mb, a, max(b, loss.get((s, mb), b)) if k == "F" else b) for k, s, mb, a, b in spans if k != "L"
+    ]
 
 
-def _reference_errors(config: GPTConfig, seed: int, x: torch.Tensor, y: torch.Tensor, model: torch.nn.Module,
-                      stages: list, losses: list) -> tuple[float, float | None]:
+def _reference_errors(
+    config: GPTConfig,
+    seed: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    model: torch.nn.Module,
+    stages: list,
+    losses: list,
+) -> tuple[float, float | None]:
     """This rank's gradients and (last stage) mean loss against one process on the whole batch."""
     dev = next(model.parameters()).device
     ref = seeded_model(config, seed, dev)
@@ -88,8 +119,11 @@ def _reference_errors(config: GPTConfig, seed: int, x: torch.Tensor, y: torch.Te
     ref_loss.backward()
     held = {id(p) for st in stages for p in st.submod.parameters()}
     ref_grads = dict(ref.named_parameters())
-    error = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters()
-                if id(p) in held and p.grad is not None)
+    error = max(
+        (p.grad - ref_grads[n].grad).abs().max().item()
+        for n, p in model.named_parameters()
+        if id(p) in held and p.grad is not None
+    )
     loss_error = abs(float(torch.stack(losses).detach().mean()) - ref_loss.item()) if losses else None
     return error, loss_error
 
@@ -112,13 +146,22 @@ Plan = tuple[Sequence[int], int, str]  # (layers per stage, micro-batches, sched
 class _Pipeline:
     """One plan on this rank: its own seeded model, stages, schedule, optimizer and what it measured."""
 
-    def __init__(self, config: GPTConfig, plan: Plan, batch_size: int, lr: float, seed: int,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        plan: Plan,
+        batch_size: int,
+        lr: float,
+        seed: int,
+        group: dist.ProcessGroup | None,
+    ) -> None:
         sizes, micro_batches, schedule = plan
         validate.positive_int("micro_batches", micro_batches, "pipeline_steps(config, [(sizes, 8, '1f1b')])")
         if batch_size % micro_batches:
-            raise ValueError(f"batch_size={batch_size} must divide into micro_batches={micro_batches} equal "
-                             f"micro-batches; e.g. batch_size={micro_batches * max(1, batch_size // micro_batches)}")
+            raise ValueError(
+                f"batch_size={batch_size} must divide into micro_batches={micro_batches} equal "
+                f"micro-batches; e.g. batch_size={micro_batches * max(1, batch_size // micro_batches)}"
+            )
         self.config, self.batch_size, self.seed, self.group = config, batch_size, seed, group
         self.dev = runtime.device()
         self.model = seeded_model(config, seed, self.dev)
@@ -134,9 +177,18 @@ class _Pipeline:
         starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
         cluster = runtime.current_cluster()
         self.result = PipelineRankResult(
-            dist.get_rank(group), [st.stage_index for st in self.stages],
-            [names[starts[k]:starts[k + 1]] for k in (st.stage_index for st in self.stages)],
-            schedule, micro_batches, [], [], [], 0, 0, label=cluster.label if cluster else "")
+            dist.get_rank(group),
+            [st.stage_index for st in self.stages],
+            [names[starts[k] : starts[k + 1]] for k in (st.stage_index for st in self.stages)],
+            schedule,
+            micro_batches,
+            [],
+            [],
+            [],
+            0,
+            0,
+            label=cluster.label if cluster else "",
+        )
 
     def forward_backward(self, step: int) -> list:
         x, y = synthetic_batch(self.config, self.batch_size, seed=self.seed, step=step, device=self.dev)
@@ -164,20 +216,32 @@ class _Pipeline:
         r = self.result
         if check and step == 0:
             x, y = synthetic_batch(self.config, self.batch_size, seed=self.seed, step=0)
-            r.grad_error, r.loss_error = _reference_errors(self.config, self.seed, x, y, self.model, self.stages,
-                                                           losses)
+            r.grad_error, r.loss_error = _reference_errors(
+                self.config, self.seed, x, y, self.model, self.stages, losses
+            )
         self.opt.step()
         if measured:
             r.step_ms.append(ms)
             r.waited_ms.append(waited)
-            r.spans = [(k, s, mb, (a - t0) * 1e3, (b - t0) * 1e3) for k, s, mb, a, b in _merge_loss(self.spans)]
+            r.spans = [
+                (k, s, mb, (a - t0) * 1e3, (b - t0) * 1e3) for k, s, mb, a, b in _merge_loss(self.spans)
+            ]
             r.sends, r.sent_bytes = self.sent[0], self.sent[1]
 
 
-def pipeline_steps(config: GPTConfig, plans: Sequence[Plan], *, batch_size: int = 16, steps: int = 3,
-                   warmup: int = 1, lr: float = 0.1, seed: int = 0, check: bool = False,
-                   measure_memory: bool = False,
-                   process_group: dist.ProcessGroup | None = None) -> list[PipelineRankResult]:
+def pipeline_steps(
+    config: GPTConfig,
+    plans: Sequence[Plan],
+    *,
+    batch_size: int = 16,
+    steps: int = 3,
+    warmup: int = 1,
+    lr: float = 0.1,
+    seed: int = 0,
+    check: bool = False,
+    measure_memory: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> list[PipelineRankResult]:
     """Train pipeline steps of `GPT(config)` under each plan, interleaved step by step; every rank calls it.
 
     A plan is `(sizes, micro_batches, schedule)`: layers per stage over (embedding, blocks, head), one
@@ -252,7 +316,11 @@ def summarize_pipeline(results: Sequence[PipelineRankResult]) -> PipelineSummary
     def limit_of(busy: Sequence[float]) -> float:
         # The ideal: every rank's work per micro-batch the mean, fill and drain (p-1)/v micro-batch slots.
         per_mb = [b / m for b in busy]
-        return sum(per_mb) / p * (m + (p - 1) / v) if schedule == "interleaved_1f1b" else ideal_step_time(per_mb, m)
+        return (
+            sum(per_mb) / p * (m + (p - 1) / v)
+            if schedule == "interleaved_1f1b"
+            else ideal_step_time(per_mb, m)
+        )
 
     # Each measure is taken step by step (the ranks' busy times of one step go with that step's end), then
     # the median over steps: a slow moment of the host in one step does not mix with another step's numbers.
@@ -270,15 +338,32 @@ def summarize_pipeline(results: Sequence[PipelineRankResult]) -> PipelineSummary
     errors = [r.grad_error for r in results if r.grad_error is not None]
     loss_errors = [r.loss_error for r in results if r.loss_error is not None]
     return PipelineSummary(
-        schedule=schedule, sizes=[len(x) for x in layers], micro_batches=m, chunks=v, step_ms=step, busy_ms=busy,
-        idle_ms=idle, bubble=bubble, bubble_formula=bubble_fraction(p, m, schedule, v),
-        imbalance=imbalance, limit_ms=limit, peak_bytes=[r.peak_bytes for r in results],
-        grad_error=max(errors) if errors else None, loss_error=max(loss_errors) if loss_errors else None,
-        spans=[r.spans for r in results], layers=layers, sent_bytes=[r.sent_bytes for r in results],
-        sends=[r.sends for r in results], label=results[0].label, steps=steps)
+        schedule=schedule,
+        sizes=[len(x) for x in layers],
+        micro_batches=m,
+        chunks=v,
+        step_ms=step,
+        busy_ms=busy,
+        idle_ms=idle,
+        bubble=bubble,
+        bubble_formula=bubble_fraction(p, m, schedule, v),
+        imbalance=imbalance,
+        limit_ms=limit,
+        peak_bytes=[r.peak_bytes for r in results],
+        grad_error=max(errors) if errors else None,
+        loss_error=max(loss_errors) if loss_errors else None,
+        spans=[r.spans for r in results],
+        layers=layers,
+        sent_bytes=[r.sent_bytes for r in results],
+        sends=[r.sends for r in results],
+        label=results[0].label,
+        steps=steps,
+    )
 
 
-def layer_costs(config: GPTConfig, micro_batch: int, *, seed: int = 0, repeats: int = 5) -> list[LayerProfile]:
+def layer_costs(
+    config: GPTConfig, micro_batch: int, *, seed: int = 0, repeats: int = 5
+) -> list[LayerProfile]:
     """On one rank: `profile_layers` of the seeded GPT on a micro-batch of `micro_batch` sequences,
     on this rank's device (one thread on the emulated cluster, as every emulated GPU computes)."""
     validate.positive_int("micro_batch", micro_batch, "layer_costs(config, micro_batch=2)")
@@ -290,39 +375,87 @@ def layer_costs(config: GPTConfig, micro_batch: int, *, seed: int = 0, repeats: 
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
-DEFAULTS: dict[str, Any] = {"world_size": 4, "n_layers": 24, "d_model": 64, "vocab_size": 8192, "seq_len": 64,
-                            "batch_size": 32, "few_micro_batches": 4, "max_bubble": 0.3, "activation_mib": 64,
-                            "steps": 3, "warmup": 1, "timeout_s": 120}
+DEFAULTS: dict[str, Any] = {
+    "world_size": 4,
+    "n_layers": 24,
+    "d_model": 64,
+    "vocab_size": 8192,
+    "seq_len": 64,
+    "batch_size": 32,
+    "few_micro_batches": 4,
+    "max_bubble": 0.3,
+    "activation_mib": 64,
+    "steps": 3,
+    "warmup": 1,
+    "timeout_s": 120,
+}
 
 
-def headline(w: Where, n_layers: int, d_model: int, vocab_size: int, seq_len: int, batch_size: int,
-             few_micro_batches: int, max_bubble: float, activation_mib: float, steps: int, warmup: int,
-             timeout_s: float) -> dict[str, Any]:
+def headline(
+    w: Where,
+    n_layers: int,
+    d_model: int,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    few_micro_batches: int,
+    max_bubble: float,
+    activation_mib: float,
+    steps: int,
+    warmup: int,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Lab 04's records: 1F1B over one stage per rank, split by layer count with few micro-batches, then split by
     measured layer cost (`labkit.pipeline.balance`) with the micro-batches the bubble and the activation memory
     allow; the limit is the same work perfectly balanced, mean stage cost x (m + p - 1)."""
     config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=4, vocab_size=vocab_size, seq_len=seq_len)
     stages = w.world_size
-    one = profile_layers(seeded_model(config), *synthetic_batch(config, 1), repeats=1)  # sizes only: the same anywhere
-    m = choose_micro_batches(stages, batch_size, max_bubble, "1f1b", memory_bytes=activation_mib * 2**20,
-                             activation_bytes_per_sample=sum(layer.activation_bytes for layer in one) / stages)
+    one = profile_layers(
+        seeded_model(config), *synthetic_batch(config, 1), repeats=1
+    )  # sizes only: the same anywhere
+    m = choose_micro_batches(
+        stages,
+        batch_size,
+        max_bubble,
+        "1f1b",
+        memory_bytes=activation_mib * 2**20,
+        activation_bytes_per_sample=sum(layer.activation_bytes for layer in one) / stages,
+    )
     # Every rank profiles (they share the machine as in the run); rank 0's costs, gathered, split on every rank.
     costs = [layer.ms for layer in w.launch(layer_costs, config, batch_size // m, timeout_s=timeout_s)[0]]
     naive, balanced = even_split(config, stages), balance(costs, stages)
-    per_rank = w.launch(pipeline_steps, config, [(naive, few_micro_batches, "1f1b"), (balanced, m, "1f1b")],
-                        batch_size=batch_size, steps=steps, warmup=warmup, check=True, timeout_s=timeout_s,
-                        deadline_s=timeout_s * 4)
+    per_rank = w.launch(
+        pipeline_steps,
+        config,
+        [(naive, few_micro_batches, "1f1b"), (balanced, m, "1f1b")],
+        batch_size=batch_size,
+        steps=steps,
+        warmup=warmup,
+        check=True,
+        timeout_s=timeout_s,
+        deadline_s=timeout_s * 4,
+    )
     before, after = (summarize_pipeline([rank[i] for rank in per_rank]) for i in range(2))
     return {
-        "before": before.step_ms, "after": after.step_ms, "limit": after.limit_ms, "unit": "ms",
-        "meaning": {"before": f"1F1B step, {stages} stages split by layer count, {few_micro_batches} micro-batches",
-                    "after": f"1F1B step, stages balanced by measured layer cost, {m} micro-batches",
-                    "limit": "the same run's work perfectly balanced: mean stage cost per micro-batch x (m + p - 1)"},
+        "before": before.step_ms,
+        "after": after.step_ms,
+        "limit": after.limit_ms,
+        "unit": "ms",
+        "meaning": {
+            "before": f"1F1B step, {stages} stages split by layer count, {few_micro_batches} micro-batches",
+            "after": f"1F1B step, stages balanced by measured layer cost, {m} micro-batches",
+            "limit": "the same run's work perfectly balanced: mean stage cost per micro-batch x (m + p - 1)",
+        },
         "metric": "pipeline step time: split by layer count vs balanced by measured cost",
-        "sizes_before": naive, "sizes_after": balanced, "micro_batches": m,
-        "stage_ms_before": before.stage_ms, "stage_ms_after": after.stage_ms,
-        "imbalance_before": before.imbalance, "imbalance_after": after.imbalance,
-        "bubble_measured": after.bubble, "bubble_formula": after.bubble_formula,
+        "sizes_before": naive,
+        "sizes_after": balanced,
+        "micro_batches": m,
+        "stage_ms_before": before.stage_ms,
+        "stage_ms_after": after.stage_ms,
+        "imbalance_before": before.imbalance,
+        "imbalance_after": after.imbalance,
+        "bubble_measured": after.bubble,
+        "bubble_formula": after.bubble_formula,
         "max_abs_diff": max(before.grad_error, after.grad_error),
     }
 
@@ -332,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from labkit.experiments import imbalanced_pipeline  # by its own name, so launch pickles its functions by reference
+    from labkit.experiments import (
+        imbalanced_pipeline,
+    )  # by its own name, so launch pickles its functions by reference
 
     raise SystemExit(imbalanced_pipeline.main())

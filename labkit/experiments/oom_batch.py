@@ -23,16 +23,24 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import runtime, validate
-from labkit.experiments.common import CountingAllReduce, rank_rows, reference_backward, seeded_model
 from labkit.batch import accumulation_steps
+from labkit.experiments.common import CountingAllReduce, rank_rows, reference_backward, seeded_model
 from labkit.experiments.script import Where, run_lab
 from labkit.measured_memory import BatchSearch, find_max_batch, free_memory, measure
 from labkit.memory import MemoryBreakdown, estimate
 from labkit.models import GPT, GPTConfig, synthetic_batch
 from labkit.parallel.data import accumulate_with_no_sync
 
-__all__ = ["DEFAULTS", "DPResult", "dp_train", "headline", "main", "max_micro_batch", "rank_micro_batches",
-           "reference_gradients"]
+__all__ = [
+    "DEFAULTS",
+    "DPResult",
+    "dp_train",
+    "headline",
+    "main",
+    "max_micro_batch",
+    "rank_micro_batches",
+    "reference_gradients",
+]
 
 _MIB = 2**20
 
@@ -56,8 +64,10 @@ def rank_micro_batches(
     """
     steps = accumulation_steps(global_batch, micro_batch, world_size)
     x, y = rank_rows(config, global_batch, rank, world_size, step=step, seed=seed, device=device)
-    return [(x[i * micro_batch:(i + 1) * micro_batch], y[i * micro_batch:(i + 1) * micro_batch])
-            for i in range(steps)]
+    return [
+        (x[i * micro_batch : (i + 1) * micro_batch], y[i * micro_batch : (i + 1) * micro_batch])
+        for i in range(steps)
+    ]
 
 
 class _Runner(nn.Module):
@@ -81,8 +91,9 @@ class _Runner(nn.Module):
 _DP_PRECISIONS = ("fp32", "autocast")
 
 
-def _lab_model(config: GPTConfig, precision: str, checkpointing: bool, seed: int,
-               device: torch.device) -> tuple[GPT, _Runner]:
+def _lab_model(
+    config: GPTConfig, precision: str, checkpointing: bool, seed: int, device: torch.device
+) -> tuple[GPT, _Runner]:
     validate.one_of("precision", precision, _DP_PRECISIONS, "'autocast' (bf16 autocast) or 'fp32'")
     model = seeded_model(config, seed, device, checkpointing=checkpointing)
     return model, _Runner(model, device.type, precision == "autocast")
@@ -181,8 +192,9 @@ def dp_train(
 
     def one_step(step: int) -> None:
         nonlocal grads
-        batches = rank_micro_batches(config, global_batch, micro_batch, rank, world_size,
-                                     step=step, seed=seed, device=device)
+        batches = rank_micro_batches(
+            config, global_batch, micro_batch, rank, world_size, step=step, seed=seed, device=device
+        )
         runner.losses.clear()
         accumulate(ddp, batches)
         if len(runner.losses) != steps:
@@ -199,8 +211,9 @@ def dp_train(
     for step in range(optimizer_steps - 1):
         one_step(step)
     counter.clear()
-    peak, source, step_s, measured = _measure_step(lambda: one_step(optimizer_steps - 1), model, optimizer,
-                                                   breakdown)
+    peak, source, step_s, measured = _measure_step(
+        lambda: one_step(optimizer_steps - 1), model, optimizer, breakdown
+    )
     return DPResult(
         rank=rank,
         world_size=world_size,
@@ -228,8 +241,9 @@ def _first_gradients(model: nn.Module) -> Any:
     return _host_flat([p.grad for p in model.parameters()])
 
 
-def _measure_step(step: Callable[[], None], model: nn.Module, optimizer: torch.optim.Optimizer,
-                  breakdown: bool) -> tuple[int, str, float, MemoryBreakdown | None]:
+def _measure_step(
+    step: Callable[[], None], model: nn.Module, optimizer: torch.optim.Optimizer, breakdown: bool
+) -> tuple[int, str, float, MemoryBreakdown | None]:
     """Run one step; (peak bytes, what measured it, wall seconds, MemTracker breakdown or None).
 
     The peak comes from the rank's device (CUDA or the emulated budget, `labkit.runtime`);
@@ -298,12 +312,32 @@ def reference_gradients(config: GPTConfig, global_batch: int, *, seed: int = 0) 
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
-DEFAULTS: dict[str, Any] = {"world_size": 2, "memory_mib": 28, "global_batch": 64, "n_layers": 4, "d_model": 128,
-                            "n_heads": 4, "vocab_size": 512, "seq_len": 64, "bucket_cap_mb": 1.0, "timeout_s": 120}
+DEFAULTS: dict[str, Any] = {
+    "world_size": 2,
+    "memory_mib": 28,
+    "global_batch": 64,
+    "n_layers": 4,
+    "d_model": 128,
+    "n_heads": 4,
+    "vocab_size": 512,
+    "seq_len": 64,
+    "bucket_cap_mb": 1.0,
+    "timeout_s": 120,
+}
 
 
-def headline(w: Where, memory_mib: float, global_batch: int, n_layers: int, d_model: int, n_heads: int,
-             vocab_size: int, seq_len: int, bucket_cap_mb: float, timeout_s: float) -> dict[str, Any]:
+def headline(
+    w: Where,
+    memory_mib: float,
+    global_batch: int,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    vocab_size: int,
+    seq_len: int,
+    bucket_cap_mb: float,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Lab 02's records: peak memory per rank of the step as first written and with the fixes, against the memory.
 
     The fixed step: bf16 autocast and activation checkpointing at the largest micro-batch whose estimate
@@ -311,31 +345,67 @@ def headline(w: Where, memory_mib: float, global_batch: int, n_layers: int, d_mo
     emulated cluster the fixed step runs inside the budget (an OOM would raise); under torchrun nothing caps the
     memory (the cap is set once per process, when its group is made), so both peaks are measured and compared.
     """
-    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len)
+    config = GPTConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len
+    )
     per_rank = global_batch // w.world_size
-    accumulation_steps(global_batch, per_rank, w.world_size)  # a ValueError with the fix if the batch does not split
-    estimates = {m: estimate(model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True)
-                 for m in range(per_rank, 0, -1) if per_rank % m == 0}  # largest first
+    accumulation_steps(
+        global_batch, per_rank, w.world_size
+    )  # a ValueError with the fix if the batch does not split
+    estimates = {
+        m: estimate(model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True)
+        for m in range(per_rank, 0, -1)
+        if per_rank % m == 0
+    }  # largest first
     micro = next((m for m, e in estimates.items() if e.peak <= memory_mib * _MIB), None)
     if micro is None:
-        raise ValueError(f"not even a micro-batch of 1 fits memory_mib={memory_mib} with autocast and checkpointing; "
-                         "raise --set memory_mib or shrink the model (--set n_layers 2)")
+        raise ValueError(
+            f"not even a micro-batch of 1 fits memory_mib={memory_mib} with autocast and checkpointing; "
+            "raise --set memory_mib or shrink the model (--set n_layers 2)"
+        )
     counting, limited = w.cluster, w.cluster
     if w.emulated:  # a budget too large to hit only counts; the lab's budget enforces
-        counting, limited = replace(w.cluster, memory_gib=1024), replace(w.cluster, memory_gib=memory_mib / 1024)
-    before = w.launch(dp_train, config, global_batch, per_rank, bucket_cap_mb=bucket_cap_mb, timeout_s=timeout_s,
-                      cluster=counting)
-    after = w.launch(dp_train, config, global_batch, micro, precision="autocast", checkpointing=True,
-                     bucket_cap_mb=bucket_cap_mb, timeout_s=timeout_s, cluster=limited)
+        counting, limited = (
+            replace(w.cluster, memory_gib=1024),
+            replace(w.cluster, memory_gib=memory_mib / 1024),
+        )
+    before = w.launch(
+        dp_train,
+        config,
+        global_batch,
+        per_rank,
+        bucket_cap_mb=bucket_cap_mb,
+        timeout_s=timeout_s,
+        cluster=counting,
+    )
+    after = w.launch(
+        dp_train,
+        config,
+        global_batch,
+        micro,
+        precision="autocast",
+        checkpointing=True,
+        bucket_cap_mb=bucket_cap_mb,
+        timeout_s=timeout_s,
+        cluster=limited,
+    )
     before_mib, after_mib = max(r.peak_mib for r in before), max(r.peak_mib for r in after)
     return {
-        "before": before_mib, "after": after_mib, "limit": float(memory_mib), "unit": "MiB",
-        "meaning": {"before": "peak memory per rank of the step as first written (the whole per-rank batch, fp32)",
-                    "after": f"peak with micro-batch {micro} under no_sync accumulation, bf16 autocast, checkpointing",
-                    "limit": "the memory each rank has" + ("" if w.emulated else " (compared here, not enforced)")},
+        "before": before_mib,
+        "after": after_mib,
+        "limit": float(memory_mib),
+        "unit": "MiB",
+        "meaning": {
+            "before": "peak memory per rank of the step as first written (the whole per-rank batch, fp32)",
+            "after": f"peak with micro-batch {micro} under no_sync accumulation, bf16 autocast, checkpointing",
+            "limit": "the memory each rank has" + ("" if w.emulated else " (compared here, not enforced)"),
+        },
         "metric": f"peak memory per rank at global batch {global_batch}: as first written vs with the fixes",
-        "micro_batch_after": micro, "estimate_after_mib": estimates[micro].peak / _MIB, "peak_source": after[0].peak_source,
-        "allreduces_per_step": after[0].allreduce_calls, "ddp_buckets": after[0].buckets,
+        "micro_batch_after": micro,
+        "estimate_after_mib": estimates[micro].peak / _MIB,
+        "peak_source": after[0].peak_source,
+        "allreduces_per_step": after[0].allreduce_calls,
+        "ddp_buckets": after[0].buckets,
         "fits": after_mib <= memory_mib < before_mib,
     }
 

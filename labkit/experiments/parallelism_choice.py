@@ -33,8 +33,18 @@ from labkit.parallel.pipeline import clock_stages, even_split, make_schedule, pi
 from labkit.parallel.tensor import TPStats, shard_state, tensor_parallel
 from labkit.planner import Rates, forward_flops_per_token, plan, spearman
 
-__all__ = ["DEFAULTS", "LayoutRankResult", "LayoutSummary", "headline", "layout_steps", "main", "measure_rates",
-           "median_rates", "reference_gradients", "summarize_layout"]
+__all__ = [
+    "DEFAULTS",
+    "LayoutRankResult",
+    "LayoutSummary",
+    "headline",
+    "layout_steps",
+    "main",
+    "measure_rates",
+    "median_rates",
+    "reference_gradients",
+    "summarize_layout",
+]
 
 
 @dataclass
@@ -75,14 +85,23 @@ def _dp_all_reduce(params: list[torch.Tensor], group: dist.ProcessGroup | None, 
     flat.div_(dp)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return flat.numel() * flat.element_size()
 
 
-def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_batch: int, *, steps: int = 3,
-                 warmup: int = 1, seed: int = 0, lr: float = 1e-3,
-                 reference: tuple[float, dict[str, torch.Tensor]] | None = None) -> LayoutRankResult:
+def layout_steps(
+    config: GPTConfig,
+    layout: Layout,
+    global_batch: int,
+    micro_batch: int,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+    lr: float = 1e-3,
+    reference: tuple[float, dict[str, torch.Tensor]] | None = None,
+) -> LayoutRankResult:
     """Train `steps` + `warmup` steps under `layout` on this rank; see the module docstring.
 
     `reference`: `reference_gradients(config, global_batch, seed)` (computed once, by the caller), to
@@ -90,8 +109,10 @@ def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_bat
     groups = make_groups(layout)
     c = groups.coords
     if global_batch % (layout.dp * micro_batch):
-        raise ValueError(f"global_batch={global_batch} must split into dp={layout.dp} replicas of micro-batches "
-                         f"of {micro_batch}: use a multiple of {layout.dp * micro_batch}")
+        raise ValueError(
+            f"global_batch={global_batch} must split into dp={layout.dp} replicas of micro-batches "
+            f"of {micro_batch}: use a multiple of {layout.dp * micro_batch}"
+        )
     m = global_batch // layout.dp // micro_batch
     dev = runtime.device()
     stats = TPStats()
@@ -117,9 +138,16 @@ def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_bat
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         topo = Topology(max(1, per_node), Link(1.0, 0.0, "not modelled"), Link(1.0, 0.0, "not modelled"))
     crossed = layout.links_crossed(topo)
-    result = LayoutRankResult(dist.get_rank(), str(layout), c, [], {"intra": 0, "inter": 0},
-                              {"tp": 0, "pp": 0, "dp": 0}, sum(p.numel() for p in params),
-                              label=cluster.label if cluster else "")
+    result = LayoutRankResult(
+        dist.get_rank(),
+        str(layout),
+        c,
+        [],
+        {"intra": 0, "inter": 0},
+        {"tp": 0, "pp": 0, "dp": 0},
+        sum(p.numel() for p in params),
+        label=cluster.label if cluster else "",
+    )
     runtime.reset_peak_memory_stats()
     dp_bytes = 0
     for step in range(warmup + steps):
@@ -147,15 +175,20 @@ def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_bat
         checked = 0.0
         if reference is not None and step == 0:
             c0 = runtime.clock()
-            result.grad_error, result.loss_error = _errors(config, reference, layout, c, module, names, losses)
+            result.grad_error, result.loss_error = _errors(
+                config, reference, layout, c, module, names, losses
+            )
             checked = runtime.clock() - c0  # the check is not part of the step
         opt.step()
         opt.zero_grad(set_to_none=True)
         ms = (runtime.clock() - t0 - checked) * 1e3
         if step >= warmup:
             result.step_ms.append(ms)
-    kinds = {"tp": stats.bytes * (bus_bandwidth_factor("all_reduce", layout.tp) if layout.tp > 1 else 0),
-             "pp": sent[1], "dp": dp_bytes * (bus_bandwidth_factor("all_reduce", layout.dp) if layout.dp > 1 else 0)}
+    kinds = {
+        "tp": stats.bytes * (bus_bandwidth_factor("all_reduce", layout.tp) if layout.tp > 1 else 0),
+        "pp": sent[1],
+        "dp": dp_bytes * (bus_bandwidth_factor("all_reduce", layout.dp) if layout.dp > 1 else 0),
+    }
     result.kind_bytes = {k: int(v) for k, v in kinds.items()}
     for kind, nbytes in result.kind_bytes.items():
         if nbytes:
@@ -165,7 +198,9 @@ def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_bat
     return result
 
 
-def reference_gradients(config: GPTConfig, global_batch: int, seed: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
+def reference_gradients(
+    config: GPTConfig, global_batch: int, seed: int = 0
+) -> tuple[float, dict[str, torch.Tensor]]:
     """(loss, gradient per parameter name) of one process on the whole first global batch."""
     ref = seeded_model(config, seed)
     x, y = synthetic_batch(config, global_batch, seed=seed, step=0)
@@ -174,8 +209,15 @@ def reference_gradients(config: GPTConfig, global_batch: int, seed: int = 0) -> 
     return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
 
 
-def _errors(config: GPTConfig, reference: tuple[float, dict[str, torch.Tensor]], layout: Layout, coords: dict,
-            module: torch.nn.Module, names: dict, losses: list) -> tuple[float, float | None]:
+def _errors(
+    config: GPTConfig,
+    reference: tuple[float, dict[str, torch.Tensor]],
+    layout: Layout,
+    coords: dict,
+    module: torch.nn.Module,
+    names: dict,
+    losses: list,
+) -> tuple[float, float | None]:
     """This rank's gradients (its shard of its layers) and loss against one process on the whole batch."""
     ref_loss, full = reference
     want = shard_state(full, config, coords["tp"], layout.tp) if layout.tp > 1 else full
@@ -197,9 +239,17 @@ def summarize_layout(results: list[LayoutRankResult]) -> LayoutSummary:
     peaks = [r.peak_bytes for r in results if r.peak_bytes is not None]
     errors = [r.grad_error for r in results if r.grad_error is not None]
     losses = [r.loss_error for r in results if r.loss_error is not None]
-    return LayoutSummary(results[0].layout, statistics.median(steps), steps, links, kinds,
-                         max(peaks) / 2**20 if peaks else None, max(errors) if errors else None,
-                         max(losses) if losses else None, results[0].label)
+    return LayoutSummary(
+        results[0].layout,
+        statistics.median(steps),
+        steps,
+        links,
+        kinds,
+        max(peaks) / 2**20 if peaks else None,
+        max(errors) if errors else None,
+        max(losses) if losses else None,
+        results[0].label,
+    )
 
 
 def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: int = 0) -> Rates:
@@ -225,28 +275,58 @@ def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: i
         best_fb, best_opt = min(best_fb, t1 - t0), min(best_opt, t2 - t1)
     n = config.num_params()
     where = "this GPU" if dev.type == "cuda" else "this CPU"
-    return Rates(flops / best_fb, best_opt / n,
-                 f"measured on {where}: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
-                 f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter")
+    return Rates(
+        flops / best_fb,
+        best_opt / n,
+        f"measured on {where}: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
+        f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter",
+    )
 
 
 def median_rates(per_rank: list[Rates]) -> Rates:
     """One `Rates` from every rank's `measure_rates` (run together, so they shared the cores as in a run)."""
     flops = statistics.median(r.flops_per_s for r in per_rank)
     opt = statistics.median(r.optimizer_s_per_param for r in per_rank)
-    return Rates(flops, opt, f"measured on {len(per_rank)} ranks at once: {flops / 1e9:.1f} GFLOP/s per rank in "
-                             f"forward + backward, Adam {opt * 1e9:.2f} ns per parameter (medians)")
+    return Rates(
+        flops,
+        opt,
+        f"measured on {len(per_rank)} ranks at once: {flops / 1e9:.1f} GFLOP/s per rank in "
+        f"forward + backward, Adam {opt * 1e9:.2f} ns per parameter (medians)",
+    )
 
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
-DEFAULTS: dict = {"world_size": 8, "nodes": 2, "memory_mib": 28, "n_layers": 8, "d_model": 128, "n_heads": 8,
-                  "vocab_size": 1024, "seq_len": 64, "global_batch": 32, "micro_batches": [4, 8], "steps": 2,
-                  "timeout_s": 120}
+DEFAULTS: dict = {
+    "world_size": 8,
+    "nodes": 2,
+    "memory_mib": 28,
+    "n_layers": 8,
+    "d_model": 128,
+    "n_heads": 8,
+    "vocab_size": 1024,
+    "seq_len": 64,
+    "global_batch": 32,
+    "micro_batches": [4, 8],
+    "steps": 2,
+    "timeout_s": 120,
+}
 
 
-def headline(w: Where, nodes: int, memory_mib: float, n_layers: int, d_model: int, n_heads: int, vocab_size: int,
-             seq_len: int, global_batch: int, micro_batches: list[int], steps: int, timeout_s: float) -> dict:
+def headline(
+    w: Where,
+    nodes: int,
+    memory_mib: float,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    vocab_size: int,
+    seq_len: int,
+    global_batch: int,
+    micro_batches: list[int],
+    steps: int,
+    timeout_s: float,
+) -> dict:
     """Lab 01's records: tensor parallelism over every rank (the mistake), the planner's pick, the best measured.
 
     The planner plans for these ranks with `memory_mib` per GPU (the emulated budget; on GPUs a planning limit,
@@ -254,28 +334,57 @@ def headline(w: Where, nodes: int, memory_mib: float, n_layers: int, d_model: in
     """
     if not w.torchrun:  # the emulated cluster of the notebook: `nodes` nodes sharing the ranks
         if w.world_size % nodes:
-            raise ValueError(f"--world-size {w.world_size} does not divide over nodes={nodes}; e.g. --world-size "
-                             f"{nodes * max(1, w.world_size // nodes)}")
+            raise ValueError(
+                f"--world-size {w.world_size} does not divide over nodes={nodes}; e.g. --world-size "
+                f"{nodes * max(1, w.world_size // nodes)}"
+            )
         w = emulated_cluster(w, nodes=nodes, gpus_per_node=w.world_size // nodes)
     if n_heads % w.world_size or d_model % w.world_size:
-        raise ValueError(f"the mistake, tensor parallelism over all {w.world_size} ranks, splits the heads and the "
-                         f"width: n_heads={n_heads} and d_model={d_model} must divide by {w.world_size}; e.g. --set "
-                         f"n_heads {w.world_size} --set d_model {max(d_model // w.world_size, 8) * w.world_size}")
-    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len)
+        raise ValueError(
+            f"the mistake, tensor parallelism over all {w.world_size} ranks, splits the heads and the "
+            f"width: n_heads={n_heads} and d_model={d_model} must divide by {w.world_size}; e.g. --set "
+            f"n_heads {w.world_size} --set d_model {max(d_model // w.world_size, 8) * w.world_size}"
+        )
+    config = GPTConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len
+    )
     if isinstance(w.cluster, Cluster):
         described = replace(w.cluster, memory_gib=memory_mib / 1024)
     elif w.on_gpu:
-        described = replace(Cluster.detect(), nodes=w.nodes, gpus_per_node=w.gpus_per_node, memory_gib=memory_mib / 1024)
+        described = replace(
+            Cluster.detect(), nodes=w.nodes, gpus_per_node=w.gpus_per_node, memory_gib=memory_mib / 1024
+        )
     else:  # torchrun on CPUs: the links this CPU's emulated cluster would model, for the plan only
-        described = Cluster.emulated(nodes=w.nodes, gpus_per_node=w.gpus_per_node, memory_gib=memory_mib / 1024)
+        described = Cluster.emulated(
+            nodes=w.nodes, gpus_per_node=w.gpus_per_node, memory_gib=memory_mib / 1024
+        )
 
     def run(layout: Layout, micro_batch: int) -> LayoutSummary:
-        return summarize_layout(w.launch(layout_steps, config, layout, global_batch, micro_batch, steps=steps, warmup=1,
-                                         timeout_s=timeout_s, deadline_s=timeout_s * 3))
+        return summarize_layout(
+            w.launch(
+                layout_steps,
+                config,
+                layout,
+                global_batch,
+                micro_batch,
+                steps=steps,
+                warmup=1,
+                timeout_s=timeout_s,
+                deadline_s=timeout_s * 3,
+            )
+        )
 
     rates = median_rates(w.launch(measure_rates, config, micro_batches[0], timeout_s=timeout_s))
-    the_plan = plan(config, described, global_batch, precision="fp32", rates=rates, micro_batch_sizes=micro_batches,
-                    zero_stages=(0,), checkpointing=(False,))
+    the_plan = plan(
+        config,
+        described,
+        global_batch,
+        precision="fp32",
+        rates=rates,
+        micro_batch_sizes=micro_batches,
+        zero_stages=(0,),
+        checkpointing=(False,),
+    )
     pick = the_plan.best
     tp_all = Layout(tp=w.world_size)
     measured = {str(tp_all): run(tp_all, micro_batches[-1])}
@@ -283,22 +392,36 @@ def headline(w: Where, nodes: int, memory_mib: float, n_layers: int, d_model: in
         if c.ok:
             measured[str(c.layout)] = run(c.layout, c.micro_batch)
     predicted = {str(c.layout): c.predicted_ms for c in the_plan.candidates if str(c.layout) in measured}
-    rows = [{"layout": name, "predicted_ms": predicted.get(name), "measured_ms": m.step_ms,
-             "inter_MiB": m.link_bytes["inter"] / 2**20, "intra_MiB": m.link_bytes["intra"] / 2**20}
-            for name, m in measured.items()]
+    rows = [
+        {
+            "layout": name,
+            "predicted_ms": predicted.get(name),
+            "measured_ms": m.step_ms,
+            "inter_MiB": m.link_bytes["inter"] / 2**20,
+            "intra_MiB": m.link_bytes["intra"] / 2**20,
+        }
+        for name, m in measured.items()
+    ]
     ranked = [r for r in rows if r["predicted_ms"] is not None]
     best = min(rows, key=lambda r: r["measured_ms"])
     return {
-        "before": measured[str(tp_all)].step_ms, "after": measured[str(pick.layout)].step_ms,
-        "limit": best["measured_ms"], "unit": "ms",
-        "meaning": {"before": f"step time of tensor parallelism over all {w.world_size} ranks of {w.nodes} node(s)",
-                    "after": f"step time of the planner's pick, {pick.layout}",
-                    "limit": f"the fastest layout measured, {best['layout']}"},
+        "before": measured[str(tp_all)].step_ms,
+        "after": measured[str(pick.layout)].step_ms,
+        "limit": best["measured_ms"],
+        "unit": "ms",
+        "meaning": {
+            "before": f"step time of tensor parallelism over all {w.world_size} ranks of {w.nodes} node(s)",
+            "after": f"step time of the planner's pick, {pick.layout}",
+            "limit": f"the fastest layout measured, {best['layout']}",
+        },
         "metric": "step time of one model under data x tensor x pipeline layouts, predicted and measured",
-        "pick": str(pick.layout), "rates": rates.source,
+        "pick": str(pick.layout),
+        "rates": rates.source,
         "spearman": spearman([r["predicted_ms"] for r in ranked], [r["measured_ms"] for r in ranked])
-        if len(ranked) > 1 else None,
-        "sweep": rows, "plan": [c.row() for c in the_plan.candidates],
+        if len(ranked) > 1
+        else None,
+        "sweep": rows,
+        "plan": [c.row() for c in the_plan.candidates],
     }
 
 
@@ -307,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from labkit.experiments import parallelism_choice  # by its own name, so launch pickles its functions by reference
+    from labkit.experiments import (
+        parallelism_choice,
+    )  # by its own name, so launch pickles its functions by reference
 
     raise SystemExit(parallelism_choice.main())

@@ -40,15 +40,18 @@ def _check(config: Any, batch_size: Any, seed: Any, device: Any) -> torch.device
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r} must be a torch device; e.g. device='cpu', "
-                         f"device='cuda:0', or None for labkit.runtime.device()") from None
+        raise ValueError(
+            f"device={device!r} must be a torch device; e.g. device='cpu', "
+            f"device='cuda:0', or None for labkit.runtime.device()"
+        ) from None
 
 
 class _Run:
     """One model, its AdamW and its GradScaler (enabled for fp16 only), stepping on ``device``."""
 
-    def __init__(self, config: GPTConfig, dtype: torch.dtype | None, lr: float, seed: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, config: GPTConfig, dtype: torch.dtype | None, lr: float, seed: int, device: torch.device
+    ) -> None:
         self.config, self.dtype, self.seed, self.device = config, dtype, seed, device
         self.model = seeded_model(config, seed, device)  # every variant starts from these weights
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
@@ -61,7 +64,9 @@ class _Run:
         # Gradients are zeroed in place (not set to None) so they stay allocated through the
         # whole step, as in oom_batch.py: the measured model states are then params + grads + Adam.
         self.optimizer.zero_grad(set_to_none=False)
-        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+        with torch.autocast(
+            self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
+        ):
             loss = self.model(x, y)
         # Loss scaling (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2):
         # multiply the loss by S so small fp16 gradients stay representable; divide them again
@@ -93,8 +98,15 @@ class _Run:
         return [p.detach().clone() for p in self.model.parameters()]
 
 
-def compare_precisions(config: GPTConfig, batch_size: int, *, steps: int = 3, lr: float = 1e-3,
-                       seed: int = 0, device: str | torch.device | None = None) -> dict[str, Any]:
+def compare_precisions(
+    config: GPTConfig,
+    batch_size: int,
+    *,
+    steps: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+) -> dict[str, Any]:
     """Train ``GPT(config)`` for ``steps`` AdamW steps in fp32, bf16 autocast and fp16 autocast
     with a GradScaler, from the same seeded weights on the same batches (one process).
 
@@ -151,8 +163,9 @@ def compare_precisions(config: GPTConfig, batch_size: int, *, steps: int = 3, lr
     return result
 
 
-def forced_overflow(config: GPTConfig, batch_size: int, *, seed: int = 0,
-                    device: str | torch.device | None = None) -> dict[str, Any]:
+def forced_overflow(
+    config: GPTConfig, batch_size: int, *, seed: int = 0, device: str | torch.device | None = None
+) -> dict[str, Any]:
     """One fp16 + GradScaler step with an inf planted in a gradient, then one normal step.
 
     The inf stands for an fp16 overflow in backward. Returns ``skipped`` (the scale dropped),

@@ -26,9 +26,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -78,13 +79,18 @@ def where(cluster: str, world_size: int) -> Where:
         torchrun.check_cluster(cluster)  # refuses the emulated cluster with the fix
         gpu = torch.cuda.is_available()
         if cluster not in ("auto", "gpu") or (cluster == "gpu" and not gpu):
-            raise ValueError(f"--cluster {cluster} under torchrun: use auto (NCCL on GPUs, gloo on CPUs)"
-                             + ("" if gpu else f"; this machine has no GPU for gpu (torch {torch.__version__})"))
+            raise ValueError(
+                f"--cluster {cluster} under torchrun: use auto (NCCL on GPUs, gloo on CPUs)"
+                + ("" if gpu else f"; this machine has no GPU for gpu (torch {torch.__version__})")
+            )
         n = int(os.environ["WORLD_SIZE"])
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", n))
         nodes = max(1, n // per_node)
-        label = (f"measured on GPU, torchrun: {n} ranks on {nodes} node(s), NCCL" if gpu else
-                 f"torchrun on CPU: {n} processes on {nodes} node(s) over gloo, wall clock; no GPU, no link model")
+        label = (
+            f"measured on GPU, torchrun: {n} ranks on {nodes} node(s), NCCL"
+            if gpu
+            else f"torchrun on CPU: {n} processes on {nodes} node(s) over gloo, wall clock; no GPU, no link model"
+        )
         return Where(n, "auto", nodes, per_node, True, gpu, label)
     resolved = Cluster.resolve(cluster, world_size)
     return Where(world_size, resolved, 1, world_size, False, not resolved.is_emulated, resolved.label)
@@ -96,27 +102,50 @@ def emulated_cluster(w: Where, **options: Any) -> Where:
         return w
     assert isinstance(w.cluster, Cluster)
     cluster = replace(Cluster.emulated(**options), reason=w.cluster.reason)
-    return replace(w, cluster=cluster, world_size=cluster.world_size, nodes=cluster.nodes,
-                   gpus_per_node=cluster.gpus_per_node)
+    return replace(
+        w,
+        cluster=cluster,
+        world_size=cluster.world_size,
+        nodes=cluster.nodes,
+        gpus_per_node=cluster.gpus_per_node,
+    )
 
 
-def _parse(argv: list[str] | None, lab: str, defaults: dict[str, Any]) -> tuple[argparse.Namespace, dict[str, Any]]:
-    p = argparse.ArgumentParser(prog=f"python -m labkit.experiments.{lab.split('_', 1)[1]}",
-                                description=f"Lab {lab}: measure the mistake and its fix, write the records.")
-    p.add_argument("--world-size", type=int, default=defaults.get("world_size", 2),
-                   help="ranks to start (ignored under torchrun: its WORLD_SIZE)")
-    p.add_argument("--cluster", default="auto", help="auto, cpu (emulated) or gpu; under torchrun: auto or gpu")
+def _parse(
+    argv: list[str] | None, lab: str, defaults: dict[str, Any]
+) -> tuple[argparse.Namespace, dict[str, Any]]:
+    p = argparse.ArgumentParser(
+        prog=f"python -m labkit.experiments.{lab.split('_', 1)[1]}",
+        description=f"Lab {lab}: measure the mistake and its fix, write the records.",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=defaults.get("world_size", 2),
+        help="ranks to start (ignored under torchrun: its WORLD_SIZE)",
+    )
+    p.add_argument(
+        "--cluster", default="auto", help="auto, cpu (emulated) or gpu; under torchrun: auto or gpu"
+    )
     p.add_argument("--out", default=f"records_{lab}.json", help="where rank 0 writes the records (JSON)")
-    p.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"), default=[],
-                   help="override a parameter (values are JSON); the defaults: " + ", ".join(
-                       f"{k}={v!r}" for k, v in defaults.items() if k != "world_size"))
+    p.add_argument(
+        "--set",
+        nargs=2,
+        action="append",
+        metavar=("KEY", "VALUE"),
+        default=[],
+        help="override a parameter (values are JSON); the defaults: "
+        + ", ".join(f"{k}={v!r}" for k, v in defaults.items() if k != "world_size"),
+    )
     args = p.parse_args(argv)
     params = dict(defaults)
     params.pop("world_size", None)
     for key, raw in args.set:
         if key not in params:
-            p.error(f"--set {key}: not a parameter of lab {lab}; its parameters: "
-                    + ", ".join(f"{k}={v!r}" for k, v in params.items()))
+            p.error(
+                f"--set {key}: not a parameter of lab {lab}; its parameters: "
+                + ", ".join(f"{k}={v!r}" for k, v in params.items())
+            )
         try:
             params[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -124,8 +153,9 @@ def _parse(argv: list[str] | None, lab: str, defaults: dict[str, Any]) -> tuple[
     return args, params
 
 
-def run_lab(lab: str, headline: Callable[..., dict[str, Any]], defaults: dict[str, Any],
-            argv: list[str] | None = None) -> int:
+def run_lab(
+    lab: str, headline: Callable[..., dict[str, Any]], defaults: dict[str, Any], argv: list[str] | None = None
+) -> int:
     """Parse the command line, run `headline(where, **params)`, print and write its records on rank 0."""
     args, params = _parse(argv, lab, defaults)
     talk = _rank() == 0
@@ -139,14 +169,25 @@ def run_lab(lab: str, headline: Callable[..., dict[str, Any]], defaults: dict[st
         if talk:
             print(f"lab {lab}: {err}", file=sys.stderr, flush=True)
         return 2
-    records = {**records, "lab": lab, "where": w.label, "emulated": w.emulated, "torchrun": w.torchrun,
-               "world_size": w.world_size, "nodes": w.nodes, "params": params}
+    records = {
+        **records,
+        "lab": lab,
+        "where": w.label,
+        "emulated": w.emulated,
+        "torchrun": w.torchrun,
+        "world_size": w.world_size,
+        "nodes": w.nodes,
+        "params": params,
+    }
     if talk:
         for key, value in records.items():
             record(key, value)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"lab {lab}: before {records['before']}, after {records['after']}, limit {records['limit']} "
-              f"{records['unit']} ({w.label}); {time.perf_counter() - t0:.1f} s; records in {out}", flush=True)
+        print(
+            f"lab {lab}: before {records['before']}, after {records['after']}, limit {records['limit']} "
+            f"{records['unit']} ({w.label}); {time.perf_counter() - t0:.1f} s; records in {out}",
+            flush=True,
+        )
     return 0

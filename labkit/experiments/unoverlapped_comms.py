@@ -23,13 +23,19 @@ from torch import nn
 from torch.profiler import record_function
 
 from labkit import emulate, runtime, validate
-from labkit.experiments.common import CountingAllReduce, max_abs_diff, rank_rows, reference_backward, seeded_model
+from labkit.experiments.common import (
+    CountingAllReduce,
+    max_abs_diff,
+    rank_rows,
+    reference_backward,
+    seeded_model,
+)
 from labkit.experiments.script import Where, run_lab
 from labkit.models import GPTConfig
 from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive
 from labkit.trace.capture import capture
-from labkit.trace.device import device_trace_path, write_device_trace
 from labkit.trace.commlog import CommLog
+from labkit.trace.device import device_trace_path, write_device_trace
 
 __all__ = ["DEFAULTS", "MODES", "TRAIN_MODES", "Mode", "headline", "main", "summarize_steps", "train_steps"]
 
@@ -105,8 +111,12 @@ def _torch_ddp(run: _Run, bucket_cap_mb: float, ddp_class: type) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     dev = runtime.device()
-    run.wrapped = DistributedDataParallel(run.module, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                          bucket_cap_mb=bucket_cap_mb, process_group=run.group)
+    run.wrapped = DistributedDataParallel(
+        run.module,
+        device_ids=[dev.index] if dev.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        process_group=run.group,
+    )
     run.counter = CountingAllReduce(run.group, log=run.log)
     run.wrapped.register_comm_hook(run.counter, CountingAllReduce.hook)
 
@@ -142,8 +152,14 @@ MODES: dict[str, Mode] = {
 TRAIN_MODES = tuple(MODES)
 
 
-def _make_run(mode: str, model: nn.Module, lr: float, bucket_cap_mb: float, ddp_class: type,
-              group: dist.ProcessGroup | None) -> _Run:
+def _make_run(
+    mode: str,
+    model: nn.Module,
+    lr: float,
+    bucket_cap_mb: float,
+    ddp_class: type,
+    group: dist.ProcessGroup | None,
+) -> _Run:
     run = _Run(model, torch.optim.SGD(model.parameters(), lr=lr), group, wrapped=model)
     MODES[mode].wrap(run, bucket_cap_mb, ddp_class)
     return run
@@ -168,7 +184,9 @@ def _waited_s() -> float | None:
     return emulate.rank_clock().waited() if runtime.on_virtual_clock() else None
 
 
-def _timed(run: _Run, step_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float | None]:
+def _timed(
+    run: _Run, step_fn: Callable, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, float, float, float | None]:
     """(ms, process CPU ms, start, ms waiting for collectives or None) of one step on
     `labkit.runtime.clock`, after a barrier. The CPU time is the host's work on the step only: on a GPU
     `runtime.clock` synchronizes the device, and that wait spins the CPU (CUDA's default), so it is read
@@ -240,16 +258,26 @@ def train_steps(
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return rank_rows(config, global_batch, rank, world, step=step, seed=seed, device=dev)
 
-    runs = {m: _make_run(m, seeded_model(config, seed, dev), lr, bucket_cap_mb, ddp_class, process_group)
-            for m in modes}
+    runs = {
+        m: _make_run(m, seeded_model(config, seed, dev), lr, bucket_cap_mb, ddp_class, process_group)
+        for m in modes
+    }
     checked = [m for m in modes if MODES[m].trains] if check else []
     ref = seeded_model(config, seed, dev) if checked else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr) if ref is not None else None
-    out = {m: {"ms": [], "cpu_ms": [], "waited_ms": [], "collectives": [], "in_backward": [],
-               "buckets": runs[m].wrapped.num_buckets if "overlapped" in m else None,
-               "bucket_summary": runs[m].wrapped.bucket_summary() if "overlapped" in m else None,
-               "max_abs_diff": [] if m in checked else None}
-           for m in modes}
+    out = {
+        m: {
+            "ms": [],
+            "cpu_ms": [],
+            "waited_ms": [],
+            "collectives": [],
+            "in_backward": [],
+            "buckets": runs[m].wrapped.num_buckets if "overlapped" in m else None,
+            "bucket_summary": runs[m].wrapped.bucket_summary() if "overlapped" in m else None,
+            "max_abs_diff": [] if m in checked else None,
+        }
+        for m in modes
+    }
 
     windows: dict[str, list] = {m: [] for m in modes}  # (step, start, end) on runtime.clock
     for s in range(warmup + steps):
@@ -276,11 +304,19 @@ def train_steps(
         run, (x, y) = runs[m], batch(warmup + steps)
         run.log.clear()
         dist.barrier(group=process_group)
-        path = capture(lambda run=run, x=x, y=y, m=m: MODES[m].step(run, x, y), steps=trace_steps, warmup=1,
-                       path=folder / f"{m}_rank{{rank}}.json", comm_log=run.log, device_trace=False)
+        path = capture(
+            lambda run=run, x=x, y=y, m=m: MODES[m].step(run, x, y),
+            steps=trace_steps,
+            warmup=1,
+            path=folder / f"{m}_rank{{rank}}.json",
+            comm_log=run.log,
+            device_trace=False,
+        )
         traces[m] = str(path)
         if runtime.on_virtual_clock():  # the device timeline of the timed (unprofiled) steps, in virtual time
-            device = write_device_trace(device_trace_path(path), emulate.rank_clock(), windows[m][-trace_steps:], rank)
+            device = write_device_trace(
+                device_trace_path(path), emulate.rank_clock(), windows[m][-trace_steps:], rank
+            )
             device_traces[m] = str(device)
     dist.barrier(group=process_group)
 
@@ -340,35 +376,79 @@ def summarize_steps(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, An
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
-DEFAULTS: dict[str, Any] = {"world_size": 2, "n_layers": 6, "d_model": 128, "seq_len": 64, "batch_size": 12,
-                            "bucket_cap_mb": 0.5, "steps": 5, "warmup": 1, "trace_dir": "traces_03", "timeout_s": 120}
+DEFAULTS: dict[str, Any] = {
+    "world_size": 2,
+    "n_layers": 6,
+    "d_model": 128,
+    "seq_len": 64,
+    "batch_size": 12,
+    "bucket_cap_mb": 0.5,
+    "steps": 5,
+    "warmup": 1,
+    "trace_dir": "traces_03",
+    "timeout_s": 120,
+}
 
 
-def headline(w: Where, n_layers: int, d_model: int, seq_len: int, batch_size: int, bucket_cap_mb: float,
-             steps: int, warmup: int, trace_dir: str, timeout_s: float) -> dict[str, Any]:
+def headline(
+    w: Where,
+    n_layers: int,
+    d_model: int,
+    seq_len: int,
+    batch_size: int,
+    bucket_cap_mb: float,
+    steps: int,
+    warmup: int,
+    trace_dir: str,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Lab 03's records: the step with per-tensor all-reduces after backward, with buckets during backward, and
     max(compute, bucketed communication alone) from the same launch; overlap % from the traces."""
     from labkit.trace import overlap, read_trace
 
     config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=4, vocab_size=256, seq_len=seq_len)
     modes = ["compute", "naive", "comm_overlapped", "overlapped"]
-    run = w.launch(train_steps, modes, config, batch_size, steps=steps, warmup=warmup, bucket_cap_mb=bucket_cap_mb,
-                   trace_modes=["naive", "overlapped"], trace_dir=str(Path(trace_dir).resolve()), timeout_s=timeout_s)
+    run = w.launch(
+        train_steps,
+        modes,
+        config,
+        batch_size,
+        steps=steps,
+        warmup=warmup,
+        bucket_cap_mb=bucket_cap_mb,
+        trace_modes=["naive", "overlapped"],
+        trace_dir=str(Path(trace_dir).resolve()),
+        timeout_s=timeout_s,
+    )
     s = summarize_steps(run)
     own = s["overlapped"]["compute_ms"]  # the step less its waits, on the virtual clock; else compute alone
     limit = max(own if own is not None else s["compute"]["ms"], s["comm_overlapped"]["ms"])
-    pct = {m: statistics.mean(overlap(read_trace(r["device_traces"].get(m) or r["traces"][m]))["overlap_pct"]
-                              for r in run) for m in ("naive", "overlapped")}
+    pct = {
+        m: statistics.mean(
+            overlap(read_trace(r["device_traces"].get(m) or r["traces"][m]))["overlap_pct"] for r in run
+        )
+        for m in ("naive", "overlapped")
+    }
     return {
-        "before": s["naive"]["ms"], "after": s["overlapped"]["ms"], "limit": limit, "unit": "ms",
-        "meaning": {"before": "data-parallel step, every gradient all-reduced after backward (median, slowest rank)",
-                    "after": f"step with {bucket_cap_mb} MiB buckets all-reduced from gradient hooks during backward",
-                    "limit": "max(compute, bucketed communication alone), measured in the same launch"},
+        "before": s["naive"]["ms"],
+        "after": s["overlapped"]["ms"],
+        "limit": limit,
+        "unit": "ms",
+        "meaning": {
+            "before": "data-parallel step, every gradient all-reduced after backward (median, slowest rank)",
+            "after": f"step with {bucket_cap_mb} MiB buckets all-reduced from gradient hooks during backward",
+            "limit": "max(compute, bucketed communication alone), measured in the same launch",
+        },
         "metric": "data-parallel step time: per-tensor all-reduce after backward vs buckets during backward",
-        "compute_ms": s["compute"]["ms"], "own_compute_ms": own, "comm_ms": s["comm_overlapped"]["ms"],
-        "overlap_pct_before": pct["naive"], "overlap_pct_after": pct["overlapped"],
-        "collectives_before": s["naive"]["collectives"], "collectives_after": s["overlapped"]["collectives"],
-        "max_abs_diff": max(s[m]["max_abs_diff"] for m in ("naive", "overlapped")), "traces": run[0]["traces"],
+        "compute_ms": s["compute"]["ms"],
+        "own_compute_ms": own,
+        "comm_ms": s["comm_overlapped"]["ms"],
+        "overlap_pct_before": pct["naive"],
+        "overlap_pct_after": pct["overlapped"],
+        "collectives_before": s["naive"]["collectives"],
+        "collectives_after": s["overlapped"]["collectives"],
+        "max_abs_diff": max(s[m]["max_abs_diff"] for m in ("naive", "overlapped")),
+        "traces": run[0]["traces"],
     }
 
 
@@ -377,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from labkit.experiments import unoverlapped_comms  # by its own name, so launch pickles its functions by reference
+    from labkit.experiments import (
+        unoverlapped_comms,
+    )  # by its own name, so launch pickles its functions by reference
 
     raise SystemExit(unoverlapped_comms.main())

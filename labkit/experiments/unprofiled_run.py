@@ -42,7 +42,16 @@ from labkit.parallel.data import allreduce_gradients_naive
 from labkit.trace.capture import capture
 from labkit.trace.phases import phase
 
-__all__ = ["BOTTLENECKS", "DEFAULTS", "FIXES", "SequenceDataset", "headline", "main", "mystery_runs", "tokenizer_passes"]
+__all__ = [
+    "BOTTLENECKS",
+    "DEFAULTS",
+    "FIXES",
+    "SequenceDataset",
+    "headline",
+    "main",
+    "mystery_runs",
+    "tokenizer_passes",
+]
 
 BOTTLENECKS = (None, "straggler", "data_loading", "small_collectives", "sync_collective", "host_sync")
 FIXES = {
@@ -87,8 +96,14 @@ class SequenceDataset(torch.utils.data.Dataset):
         return self._ready[i] if self._ready is not None else self._tokenize(i)
 
 
-def tokenizer_passes(model: torch.nn.Module, config: GPTConfig, batch_size: int, seed: int,
-                     device: torch.device, share: float = 0.5) -> int:
+def tokenizer_passes(
+    model: torch.nn.Module,
+    config: GPTConfig,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    share: float = 0.5,
+) -> int:
     """Tokenizer passes per sample (`SequenceDataset`) that cost about `share` of the compute (CPU time) of a
     forward and backward of `batch_size` samples, so that a planted data-loading bottleneck is one at any model
     size. (The forward and backward measured is the model's first, cold: more passes, if anything.)"""
@@ -110,26 +125,50 @@ def tokenizer_passes(model: torch.nn.Module, config: GPTConfig, batch_size: int,
 class _Job:
     """One run on this rank: its own seeded model (under DDP, or not), data, optimizer and planted mistake."""
 
-    def __init__(self, config: GPTConfig, bottleneck: str | None, fixed: bool, *, batch_size: int, batches: int,
-                 straggler_rank: int, passes: int, bucket_cap_mb: float, seed: int,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        bottleneck: str | None,
+        fixed: bool,
+        *,
+        batch_size: int,
+        batches: int,
+        straggler_rank: int,
+        passes: int,
+        bucket_cap_mb: float,
+        seed: int,
+        group: dist.ProcessGroup | None,
+    ) -> None:
         self.bottleneck, self.fixed, self.group = bottleneck, fixed, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.straggler_rank = straggler_rank
         self.dev = dev = runtime.device()
         self.model = seeded_model(config, seed, dev)
         self.naive = bottleneck == "small_collectives" and not fixed
-        self.ddp = self.model if self.naive else DistributedDataParallel(
-            self.model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
-            process_group=group)
+        self.ddp = (
+            self.model
+            if self.naive
+            else DistributedDataParallel(
+                self.model,
+                device_ids=[dev.index] if dev.type == "cuda" else None,
+                bucket_cap_mb=bucket_cap_mb,
+                process_group=group,
+            )
+        )
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         if bottleneck == "data_loading" and passes is None:
             passes = tokenizer_passes(self.model, config, batch_size, seed, dev)
-        data = SequenceDataset(config, batch_size * batches, seed * 1000 + self.rank,
-                               passes if bottleneck == "data_loading" else 0)
+        data = SequenceDataset(
+            config,
+            batch_size * batches,
+            seed * 1000 + self.rank,
+            passes if bottleneck == "data_loading" else 0,
+        )
         if bottleneck != "data_loading" or fixed:
             data.prepare()  # before training, in no step; the clean job too, so that the fix can reach it exactly
-        self.batches = iter(torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=0))
+        self.batches = iter(
+            torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=0)
+        )
         # the straggler's held-out batch: 4 x the training batch, forward only, about as much work as a step.
         # (3 x measured 1.58-1.77x the other ranks' compute over six launches, too near diagnose's 1.5x: one CI
         # run called it "none".)
@@ -151,8 +190,9 @@ class _Job:
                     stats = torch.stack([hits, torch.tensor(float(y.numel()), device=hits.device)])
                     stats_work = dist.all_reduce(stats.to(dev), group=group, async_op=True)
                 else:  # every rank's logits gathered to score a global accuracy, synchronously
-                    everyone = torch.empty((self.world * len(logits), *logits.shape[1:]), dtype=logits.dtype,
-                                           device=dev)
+                    everyone = torch.empty(
+                        (self.world * len(logits), *logits.shape[1:]), dtype=logits.dtype, device=dev
+                    )
                     dist.all_gather_single(everyone, logits.detach().contiguous(), group=group)
                     (everyone.argmax(-1) == y.repeat(self.world, 1)).float().mean()
         loss.backward()
@@ -173,10 +213,22 @@ class _Job:
             stats_work.wait()
 
 
-def mystery_runs(config: GPTConfig, runs: Sequence[tuple[str | None, bool]], trace_dir: str, *, batch_size: int = 8,
-                 steps: int = 3, warmup: int = 1, trace_steps: int = 3, straggler_rank: int = 1,
-                 passes: int | None = None, bucket_cap_mb: float = 0.25, seed: int = 0, same_core: bool = True,
-                 process_group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
+def mystery_runs(
+    config: GPTConfig,
+    runs: Sequence[tuple[str | None, bool]],
+    trace_dir: str,
+    *,
+    batch_size: int = 8,
+    steps: int = 3,
+    warmup: int = 1,
+    trace_steps: int = 3,
+    straggler_rank: int = 1,
+    passes: int | None = None,
+    bucket_cap_mb: float = 0.25,
+    seed: int = 0,
+    same_core: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> list[dict[str, Any]]:
     """Every rank: time each run `(bottleneck, fixed)`, then trace it into `trace_dir/<name>/`.
 
     First `warmup + steps` steps of every run, taking turns step by step (so that a slow moment of the
@@ -188,15 +240,29 @@ def mystery_runs(config: GPTConfig, runs: Sequence[tuple[str | None, bool]], tra
     validate.positive_int("steps", steps, "mystery_runs(..., steps=3)")
     validate.positive_int("trace_steps", trace_steps, "mystery_runs(..., trace_steps=2)")
     for bottleneck, _ in runs:
-        validate.one_of("bottleneck", bottleneck, BOTTLENECKS, 'mystery_runs(config, [("straggler", False)], dir)')
+        validate.one_of(
+            "bottleneck", bottleneck, BOTTLENECKS, 'mystery_runs(config, [("straggler", False)], dir)'
+        )
     world = dist.get_world_size(process_group)
     if not 0 <= straggler_rank < world:
         raise ValueError(f"straggler_rank={straggler_rank} must be a rank of the group, 0..{world - 1}")
     if same_core:
         runtime.share_one_core()
-    jobs = [_Job(config, b, f, batch_size=batch_size, batches=warmup + steps + 1 + trace_steps,
-                 straggler_rank=straggler_rank, passes=passes, bucket_cap_mb=bucket_cap_mb, seed=seed,
-                 group=process_group) for b, f in runs]
+    jobs = [
+        _Job(
+            config,
+            b,
+            f,
+            batch_size=batch_size,
+            batches=warmup + steps + 1 + trace_steps,
+            straggler_rank=straggler_rank,
+            passes=passes,
+            bucket_cap_mb=bucket_cap_mb,
+            seed=seed,
+            group=process_group,
+        )
+        for b, f in runs
+    ]
     times: list[list[float]] = [[] for _ in jobs]
     for _ in range(warmup + steps):
         for job, t in zip(jobs, times):
@@ -206,25 +272,57 @@ def mystery_runs(config: GPTConfig, runs: Sequence[tuple[str | None, bool]], tra
             t.append((runtime.clock() - t0) * 1e3)
     out = []
     for job, t in zip(jobs, times):
-        name = (f"{job.bottleneck or 'clean'}{f'_rank{straggler_rank}' if job.bottleneck == 'straggler' else ''}"
-                f"{'_fixed' if job.fixed else ''}")
+        name = (
+            f"{job.bottleneck or 'clean'}{f'_rank{straggler_rank}' if job.bottleneck == 'straggler' else ''}"
+            f"{'_fixed' if job.fixed else ''}"
+        )
         dist.barrier(group=process_group)
         # one profiled warm-up step first: the traced steps are in the steady state (e.g. a fast rank already
         # waits for a straggler's previous step)
-        path = capture(job.step, steps=trace_steps, warmup=1, path=Path(trace_dir) / name / "trace_rank{rank}.json")
-        out.append({"bottleneck": job.bottleneck, "fixed": job.fixed, "traces": str(path.parent),
-                    "step_ms": t[warmup:], "median_ms": statistics.median(t[warmup:]), "rank": job.rank})
+        path = capture(
+            job.step, steps=trace_steps, warmup=1, path=Path(trace_dir) / name / "trace_rank{rank}.json"
+        )
+        out.append(
+            {
+                "bottleneck": job.bottleneck,
+                "fixed": job.fixed,
+                "traces": str(path.parent),
+                "step_ms": t[warmup:],
+                "median_ms": statistics.median(t[warmup:]),
+                "rank": job.rank,
+            }
+        )
     return out
 
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
-DEFAULTS: dict[str, Any] = {"world_size": 2, "n_layers": 2, "d_model": 64, "vocab_size": 2048, "seq_len": 64,
-                            "batch_size": 8, "mystery_seed": 3, "steps": 3, "trace_dir": "traces_05", "timeout_s": 120}
+DEFAULTS: dict[str, Any] = {
+    "world_size": 2,
+    "n_layers": 2,
+    "d_model": 64,
+    "vocab_size": 2048,
+    "seq_len": 64,
+    "batch_size": 8,
+    "mystery_seed": 3,
+    "steps": 3,
+    "trace_dir": "traces_05",
+    "timeout_s": 120,
+}
 
 
-def headline(w: Where, n_layers: int, d_model: int, vocab_size: int, seq_len: int, batch_size: int,
-             mystery_seed: int, steps: int, trace_dir: str, timeout_s: float) -> dict[str, Any]:
+def headline(
+    w: Where,
+    n_layers: int,
+    d_model: int,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    mystery_seed: int,
+    steps: int,
+    trace_dir: str,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Lab 05's records: a job with a mistake planted by `mystery_seed`, the same job with the fix the trace's
     diagnosis (`labkit.trace.diagnose`) names, and the clean job, in one launch."""
     from labkit.trace import diagnose
@@ -235,11 +333,21 @@ def headline(w: Where, n_layers: int, d_model: int, vocab_size: int, seq_len: in
     planted = random.Random(mystery_seed).choice(shows_here)
     folder = Path(trace_dir).resolve()
     if w.rank() == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # this run's traces only (ranks write theirs inside the launch)
+        shutil.rmtree(
+            folder, ignore_errors=True
+        )  # this run's traces only (ranks write theirs inside the launch)
 
     def runs(plan: list[tuple[str | None, bool]]) -> list[list[dict[str, Any]]]:
-        per_rank = w.launch(mystery_runs, config, plan, str(folder), batch_size=batch_size, steps=steps,
-                            timeout_s=timeout_s, deadline_s=timeout_s * 3)
+        per_rank = w.launch(
+            mystery_runs,
+            config,
+            plan,
+            str(folder),
+            batch_size=batch_size,
+            steps=steps,
+            timeout_s=timeout_s,
+            deadline_s=timeout_s * 3,
+        )
         return [[rank[i] for rank in per_rank] for i in range(len(plan))]
 
     (mystery,) = runs([(planted, False)])
@@ -248,12 +356,20 @@ def headline(w: Where, n_layers: int, d_model: int, vocab_size: int, seq_len: in
     before, after, clean = runs([(planted, False), (planted, found.kind == planted), (None, False)])
     ms = [max(r["median_ms"] for r in run) for run in (before, after, clean)]  # the slowest rank's median
     return {
-        "before": ms[0], "after": ms[1], "limit": ms[2], "unit": "ms",
-        "meaning": {"before": "data-parallel step time with a planted bottleneck (slowest rank's median)",
-                    "after": "step time after the fix that the trace's diagnosis pointed to",
-                    "limit": "the same job with nothing planted, measured in the same launch"},
+        "before": ms[0],
+        "after": ms[1],
+        "limit": ms[2],
+        "unit": "ms",
+        "meaning": {
+            "before": "data-parallel step time with a planted bottleneck (slowest rank's median)",
+            "after": "step time after the fix that the trace's diagnosis pointed to",
+            "limit": "the same job with nothing planted, measured in the same launch",
+        },
         "metric": "step time of a job with a hidden bottleneck, before and after the fix the trace named",
-        "planted": planted, "diagnosed": found.kind, "evidence": found.evidence, "fix": FIXES.get(found.kind),
+        "planted": planted,
+        "diagnosed": found.kind,
+        "evidence": found.evidence,
+        "fix": FIXES.get(found.kind),
         "fixed": found.kind == planted,
         "traces": mystery[0]["traces"],
     }
@@ -264,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from labkit.experiments import unprofiled_run  # by its own name, so launch pickles its functions by reference
+    from labkit.experiments import (
+        unprofiled_run,
+    )  # by its own name, so launch pickles its functions by reference
 
     raise SystemExit(unprofiled_run.main())

@@ -16,23 +16,23 @@ from labkit.parallel.data import (
 )
 from labkit.parallel.layout import Layout, RankGroups, make_groups
 from labkit.parallel.pipeline import GPTStage, even_split, layer_names, make_schedule, pipeline_stages
-from labkit.parallel.tensor import TPStats, TensorParallelBlock, check_tp_size, tensor_parallel
+from labkit.parallel.tensor import TensorParallelBlock, TPStats, check_tp_size, tensor_parallel
 
 __all__ = [
     "GPTStage",
     "Layout",
+    "OverlappedDDP",
     "RankGroups",
     "TPStats",
     "TensorParallelBlock",
-    "check_tp_size",
-    "make_groups",
-    "tensor_parallel",
-    "OverlappedDDP",
     "accumulate_with_no_sync",
     "accumulate_without_no_sync",
     "allreduce_gradients_naive",
+    "check_tp_size",
     "even_split",
     "layer_names",
+    "make_groups",
     "make_schedule",
     "pipeline_stages",
+    "tensor_parallel",
 ]

@@ -136,8 +136,11 @@ class OverlappedDDP(nn.Module):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        validate.positive_number("bucket_cap_mb", bucket_cap_mb,
-                                 "25 (MiB, torch DDP's default), or 1e-6 for one bucket per parameter")
+        validate.positive_number(
+            "bucket_cap_mb",
+            bucket_cap_mb,
+            "25 (MiB, torch DDP's default), or 1e-6 for one bucket per parameter",
+        )
         if not dist.is_initialized():
             raise RuntimeError(
                 "OverlappedDDP needs an initialised process group; run it inside "
@@ -263,16 +266,19 @@ class OverlappedDDP(nn.Module):
             raise TypeError(
                 f"bucket.work is {bucket.work!r} after flushing bucket {bucket.index}: start the all-reduce "
                 "with async_op=True and keep what it returns in bucket.work (a synchronous dist.all_reduce "
-                "returns None and waits, so nothing overlaps)")
+                "returns None and waits, so nothing overlaps)"
+            )
         if bucket.index < self._launched:
             raise RuntimeError(
                 f"bucket {bucket.index} was flushed again in this step: flush each bucket once, and advance "
-                "self._next_bucket after each flush")
+                "self._next_bucket after each flush"
+            )
         if bucket.index != self._launched:
             raise RuntimeError(
                 f"bucket {bucket.index} was flushed before bucket {self._launched}: launch buckets strictly in "
                 "index order (from self.buckets[self._next_bucket] on, while each is complete), never in the "
-                "order they fill up; a different order on another rank would pair different buckets")
+                "order they fill up; a different order on another rank would pair different buckets"
+            )
         name = f"all_reduce bucket{bucket.index}"
         bucket.logged = self.comm_log.track(bucket.work, name, bucket.nbytes, start_ns=start_ns)
         self._launched += 1

@@ -49,8 +49,10 @@ class Layout:
     def check_world_size(self, world_size: int) -> None:
         """Refuse a layout whose dp x tp x pp is not the number of ranks."""
         if self.world_size != world_size:
-            raise ValueError(f"layout {self} needs dp x tp x pp = {self.world_size} ranks, the world has {world_size}: "
-                             f"choose dp, tp, pp whose product is {world_size}")
+            raise ValueError(
+                f"layout {self} needs dp x tp x pp = {self.world_size} ranks, the world has {world_size}: "
+                f"choose dp, tp, pp whose product is {world_size}"
+            )
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each kind: {"tp": .., "dp": .., "pp": ..}."""

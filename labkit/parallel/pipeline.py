@@ -29,10 +29,23 @@ from torch import nn
 from labkit import runtime, validate
 from labkit.models import GPT, GPTConfig
 
-__all__ = ["SCHEDULE_CLASSES", "GPTStage", "clock_stages", "even_split", "layer_names", "make_schedule",
-           "pipeline_stages", "stage_of_rank", "gpt_loss"]
+__all__ = [
+    "SCHEDULE_CLASSES",
+    "GPTStage",
+    "clock_stages",
+    "even_split",
+    "gpt_loss",
+    "layer_names",
+    "make_schedule",
+    "pipeline_stages",
+    "stage_of_rank",
+]
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
 
 
 def layer_names(config: GPTConfig) -> list[str]:
@@ -56,10 +69,16 @@ def even_split(config: GPTConfig, stages: int) -> list[int]:
 def _check_split(config: GPTConfig, sizes: Sequence[int]) -> list[tuple[int, int]]:
     """[start, stop) of each stage in the layer list; refuses a split that does not cover it."""
     total = config.n_layers + 2
-    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != total:
-        raise ValueError(f"sizes={list(sizes)} must be positive whole numbers of layers adding up to the model's "
-                         f"{total} layers (embedding, {config.n_layers} blocks, head); e.g. "
-                         f"labkit.pipeline.balance(costs, stages) or even_split(config, stages)")
+    if (
+        not sizes
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+        or sum(sizes) != total
+    ):
+        raise ValueError(
+            f"sizes={list(sizes)} must be positive whole numbers of layers adding up to the model's "
+            f"{total} layers (embedding, {config.n_layers} blocks, head); e.g. "
+            f"labkit.pipeline.balance(costs, stages) or even_split(config, stages)"
+        )
     bounds, start = [], 0
     for n in sizes:
         bounds.append((start, start + n))
@@ -79,7 +98,7 @@ class GPTStage(nn.Module):
         self.start, self.stop = start, stop
         self.tok_emb = model.tok_emb if start == 0 else None
         self.pos_emb = model.pos_emb if start == 0 else None
-        self.blocks = nn.ModuleList(model.blocks[max(start, 1) - 1:min(stop, n + 1) - 1])
+        self.blocks = nn.ModuleList(model.blocks[max(start, 1) - 1 : min(stop, n + 1) - 1])
         self.ln_f = model.ln_f if stop == n + 2 else None
         self.lm_head = model.lm_head if stop == n + 2 else None
 
@@ -102,12 +121,18 @@ def stage_of_rank(rank: int, world_size: int, n_stages: int) -> list[int]:
     """The stages a rank holds: one (its own) for GPipe and 1F1B, rank, rank + p, ... when each rank
     holds v = n_stages / p chunks (interleaved, Narayanan et al. 2021, figure 4)."""
     if n_stages % world_size:
-        raise ValueError(f"{n_stages} stages do not divide over {world_size} ranks: use a multiple of {world_size}")
+        raise ValueError(
+            f"{n_stages} stages do not divide over {world_size} ranks: use a multiple of {world_size}"
+        )
     return list(range(rank, n_stages, world_size))
 
 
-def pipeline_stages(model: GPT, sizes: Sequence[int], group: dist.ProcessGroup | None = None,
-                    device: torch.device | str = "cpu") -> list:
+def pipeline_stages(
+    model: GPT,
+    sizes: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> list:
     """This rank's `PipelineStage`s of `model` split as `sizes` (one per rank, or v per rank interleaved).
 
     Every rank builds the same full model (same seed) and keeps its stages' layers; the others are
@@ -117,13 +142,20 @@ def pipeline_stages(model: GPT, sizes: Sequence[int], group: dist.ProcessGroup |
 
     bounds = _check_split(model.config, sizes)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    return [pipelining.PipelineStage(GPTStage(model, *bounds[s]).to(device), s, len(sizes), torch.device(device),
-                                     group=group)
-            for s in stage_of_rank(rank, world, len(sizes))]
+    return [
+        pipelining.PipelineStage(
+            GPTStage(model, *bounds[s]).to(device), s, len(sizes), torch.device(device), group=group
+        )
+        for s in stage_of_rank(rank, world, len(sizes))
+    ]
 
 
-def make_schedule(stages: list, schedule: str, micro_batches: int,
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss):
+def make_schedule(
+    stages: list,
+    schedule: str,
+    micro_batches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss,
+):
     """A torch.distributed.pipelining schedule over this rank's stages ("gpipe", "1f1b" or
     "interleaved_1f1b"); gradients are averaged over micro-batches (`scale_grads=True`)."""
     from torch.distributed import pipelining
@@ -134,12 +166,16 @@ def make_schedule(stages: list, schedule: str, micro_batches: int,
     if schedule == "interleaved_1f1b":
         return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn)
     if len(stages) != 1:
-        raise ValueError(f"schedule={schedule!r} runs one stage per rank, this rank holds {len(stages)}: use "
-                         "schedule='interleaved_1f1b' or one stage per rank")
+        raise ValueError(
+            f"schedule={schedule!r} runs one stage per rank, this rank holds {len(stages)}: use "
+            "schedule='interleaved_1f1b' or one stage per rank"
+        )
     world = stages[0].group_size
     if schedule == "1f1b" and micro_batches < world:
-        raise ValueError(f"1F1B needs at least as many micro-batches as stages: micro_batches={micro_batches} < "
-                         f"{world}; use micro_batches >= {world} or schedule='gpipe'")
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages: micro_batches={micro_batches} < "
+            f"{world}; use micro_batches >= {world} or schedule='gpipe'"
+        )
     return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
 
 
@@ -154,8 +190,14 @@ def clock_stages(stages: list, spans: list, sent: list[int]) -> None:
         for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
             inner = getattr(stage, name)
 
-            def timed(chunk: int, *args: Any, _inner: Callable = inner, _kind: str = kind, _s: int = stage.stage_index,
-                      **kwargs: Any) -> Any:
+            def timed(
+                chunk: int,
+                *args: Any,
+                _inner: Callable = inner,
+                _kind: str = kind,
+                _s: int = stage.stage_index,
+                **kwargs: Any,
+            ) -> Any:
                 t0 = runtime.clock()
                 out = _inner(chunk, *args, **kwargs)
                 spans.append((_kind, _s, chunk, t0, runtime.clock()))

@@ -33,8 +33,18 @@ from torch import nn
 from labkit import validate
 from labkit.models import GPT, Block, GPTConfig, causal_attention
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPStats", "TensorParallelBlock", "check_tp_size",
-           "copy_to_tp", "reduce_from_tp", "shard", "shard_state", "tensor_parallel"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TPStats",
+    "TensorParallelBlock",
+    "check_tp_size",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "shard",
+    "shard_state",
+    "tensor_parallel",
+]
 
 
 @dataclass
@@ -82,25 +92,33 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None
 
 
-def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None, stats: TPStats | None = None) -> torch.Tensor:
+def copy_to_tp(
+    x: torch.Tensor, group: dist.ProcessGroup | None, stats: TPStats | None = None
+) -> torch.Tensor:
     """Megatron's f: `x` unchanged forward; its gradient all-reduced (summed) over `group` backward."""
     return _CopyToTP.apply(x, group, stats)
 
 
-def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None, stats: TPStats | None = None) -> torch.Tensor:
+def reduce_from_tp(
+    x: torch.Tensor, group: dist.ProcessGroup | None, stats: TPStats | None = None
+) -> torch.Tensor:
     """Megatron's g: `x` all-reduced (summed) over `group` forward; the gradient unchanged backward."""
     return _ReduceFromTP.apply(x, group, stats)
 
 
-def shard(full: torch.Tensor, rank: int, tp: int, dim: int = 0, sections: Sequence[int] | None = None) -> torch.Tensor:
+def shard(
+    full: torch.Tensor, rank: int, tp: int, dim: int = 0, sections: Sequence[int] | None = None
+) -> torch.Tensor:
     """Rank `rank`'s contiguous 1/tp of `full` along `dim`; with `sections`, of each section
     separately, concatenated (a fused qkv: every rank gets its own heads of q, k and v)."""
     parts = full.split(list(sections), dim=dim) if sections is not None else (full,)
     out = []
     for part in parts:
         if part.shape[dim] % tp:
-            raise ValueError(f"tp={tp} does not divide a section of {part.shape[dim]} along dim {dim}: "
-                             f"use a tp that divides {part.shape[dim]} (see check_tp_size)")
+            raise ValueError(
+                f"tp={tp} does not divide a section of {part.shape[dim]} along dim {dim}: "
+                f"use a tp that divides {part.shape[dim]} (see check_tp_size)"
+            )
         n = part.shape[dim] // tp
         out.append(part.narrow(dim, rank * n, n))
     return torch.cat(out, dim=dim)  # a copy (even of one part): the full tensor is not kept alive
@@ -111,13 +129,20 @@ class ColumnParallelLinear(nn.Module):
 
     forward: `F.linear(copy_to_tp(x), weight, bias)` with this rank's rows of the weight and bias."""
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None = None,
-                 sections: Sequence[int] | None = None, stats: TPStats | None = None) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: dist.ProcessGroup | None = None,
+        sections: Sequence[int] | None = None,
+        stats: TPStats | None = None,
+    ) -> None:
         super().__init__()
         self.group, self.stats = group, stats
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
         self.weight = nn.Parameter(shard(linear.weight.detach(), rank, tp, 0, sections))
-        self.bias = None if linear.bias is None else nn.Parameter(shard(linear.bias.detach(), rank, tp, 0, sections))
+        self.bias = (
+            None if linear.bias is None else nn.Parameter(shard(linear.bias.detach(), rank, tp, 0, sections))
+        )
         self.in_features, self.out_features = linear.in_features, self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,8 +153,9 @@ class RowParallelLinear(nn.Module):
     """This rank's input features of a full `nn.Linear`; takes the split input a column-parallel
     layer leaves. forward: `reduce_from_tp(F.linear(x_local, weight_local)) + bias`."""
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None = None,
-                 stats: TPStats | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, group: dist.ProcessGroup | None = None, stats: TPStats | None = None
+    ) -> None:
         super().__init__()
         self.group, self.stats = group, stats
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
@@ -152,11 +178,19 @@ def _qkv_sections(config: GPTConfig) -> list[int]:
 # Any other parameter (LayerNorms, attn.proj.bias, mlp.proj.bias, embeddings, head) is replicated.
 def _block_rule(config: GPTConfig) -> dict[str, tuple[int, list[int] | None]]:
     qkv = _qkv_sections(config)
-    return {"attn.qkv.weight": (0, qkv), "attn.qkv.bias": (0, qkv), "attn.proj.weight": (1, None),
-            "mlp.fc.weight": (0, None), "mlp.fc.bias": (0, None), "mlp.proj.weight": (1, None)}
+    return {
+        "attn.qkv.weight": (0, qkv),
+        "attn.qkv.bias": (0, qkv),
+        "attn.proj.weight": (1, None),
+        "mlp.fc.weight": (0, None),
+        "mlp.fc.bias": (0, None),
+        "mlp.proj.weight": (1, None),
+    }
 
 
-def shard_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig, rank: int, tp: int) -> dict[str, torch.Tensor]:
+def shard_state(
+    tensors: Mapping[str, torch.Tensor], config: GPTConfig, rank: int, tp: int
+) -> dict[str, torch.Tensor]:
     """This rank's part of each of a full GPT's tensors by name (parameters or their gradients,
     names as in `named_parameters()`): what `tensor_parallel` keeps on TP rank `rank` of `tp`."""
     rule = _block_rule(config)
@@ -177,7 +211,11 @@ class _ParallelAttention(nn.Module):
     def __init__(self, attn: nn.Module, config: GPTConfig, group, stats) -> None:
         super().__init__()
         tp = dist.get_world_size(group)
-        self.n_heads, self.kv_heads, self.head_dim = config.n_heads // tp, config.kv_heads // tp, config.head_dim
+        self.n_heads, self.kv_heads, self.head_dim = (
+            config.n_heads // tp,
+            config.kv_heads // tp,
+            config.head_dim,
+        )
         self.qkv = ColumnParallelLinear(attn.qkv, group, _qkv_sections(config), stats)
         self.proj = RowParallelLinear(attn.proj, group, stats)
 
@@ -203,8 +241,13 @@ class TensorParallelBlock(nn.Module):
     replicated (the block's own modules). Two all-reduces forward (g after attn.proj and mlp.proj)
     and two backward (f before attn.qkv and mlp.fc)."""
 
-    def __init__(self, block: Block, config: GPTConfig, group: dist.ProcessGroup | None = None,
-                 stats: TPStats | None = None) -> None:
+    def __init__(
+        self,
+        block: Block,
+        config: GPTConfig,
+        group: dist.ProcessGroup | None = None,
+        stats: TPStats | None = None,
+    ) -> None:
         super().__init__()
         check_tp_size(config, dist.get_world_size(group))
         self.ln_1, self.ln_2 = block.ln_1, block.ln_2
@@ -225,12 +268,16 @@ def check_tp_size(config: GPTConfig, tp: int) -> int:
     even share of the MLP width on every rank), else ValueError naming the sizes that can."""
     validate.positive_int("tp", tp, "tp=2")
     allowed = _divisors(math.gcd(config.n_heads, config.kv_heads, config.ffn_dim))
-    for name, value, why in (("n_heads", config.n_heads, "each rank keeps whole attention heads"),
-                             ("n_kv_heads", config.kv_heads, "each rank keeps whole key/value heads"),
-                             ("ffn_dim", config.ffn_dim, "each rank keeps an equal share of the MLP width")):
+    for name, value, why in (
+        ("n_heads", config.n_heads, "each rank keeps whole attention heads"),
+        ("n_kv_heads", config.kv_heads, "each rank keeps whole key/value heads"),
+        ("ffn_dim", config.ffn_dim, "each rank keeps an equal share of the MLP width"),
+    ):
         if value % tp:
-            raise ValueError(f"tensor parallel size {tp} does not divide {name}={value} ({why}): "
-                             f"use a tp that divides {value} ({allowed})")
+            raise ValueError(
+                f"tensor parallel size {tp} does not divide {name}={value} ({why}): "
+                f"use a tp that divides {value} ({allowed})"
+            )
     return tp
 
 

@@ -13,4 +13,15 @@
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
 from labkit.quiz.show import mock_exam, run_terminal, show, text_form
 
-__all__ = ["TOPICS", "Question", "bank", "exam", "grade", "mock_exam", "run_terminal", "score", "show", "text_form"]
+__all__ = [
+    "TOPICS",
+    "Question",
+    "bank",
+    "exam",
+    "grade",
+    "mock_exam",
+    "run_terminal",
+    "score",
+    "show",
+    "text_form",
+]

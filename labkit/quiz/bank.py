@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import math
 import random
-from importlib import resources
 from dataclasses import dataclass, field
+from importlib import resources
 
 from labkit import validate
 
@@ -29,7 +29,10 @@ __all__ = ["TOPICS", "Question", "bank", "choice_questions", "exam", "grade", "s
 # topic -> (what it covers, the lab that teaches it)
 TOPICS: dict[str, tuple[str, str]] = {
     "cluster": ("ranks, collectives and bus bandwidth", "00_cluster_tour"),
-    "parallelism": ("data, tensor and pipeline parallelism, and choosing between them", "01_parallelism_choice"),
+    "parallelism": (
+        "data, tensor and pipeline parallelism, and choosing between them",
+        "01_parallelism_choice",
+    ),
     "memory": ("model states, ZeRO, activations and the batch", "02_oom_batch"),
     "precision": ("bf16, fp16 with loss scaling, and allocator fragmentation", "02_oom_batch"),
     "communication": ("gradient buckets, overlap and no_sync", "03_unoverlapped_comms"),
@@ -58,7 +61,7 @@ class Question:
 
     @property
     def where(self) -> str:
-        return f"lab {self.reference}, section \"{self.section.strip()}...\""
+        return f'lab {self.reference}, section "{self.section.strip()}..."'
 
     @property
     def correct(self) -> str:
@@ -69,8 +72,17 @@ class Question:
 
 
 def _choice(d: dict) -> Question:
-    return Question(d["id"], d["topic"], "choice", d["text"], d["answer"], d["explanation"], d["reference"],
-                    d["section"], tuple(d["choices"]))
+    return Question(
+        d["id"],
+        d["topic"],
+        "choice",
+        d["text"],
+        d["answer"],
+        d["explanation"],
+        d["reference"],
+        d["section"],
+        tuple(d["choices"]),
+    )
 
 
 def choice_questions() -> list[dict]:
@@ -121,7 +133,10 @@ def grade(question: Question, answer: object) -> tuple[bool, str]:
         try:
             value = float(answer)  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            return False, f"{answer!r} is not a number; the answer is {question.correct}. {question.explanation}"
+            return (
+                False,
+                f"{answer!r} is not a number; the answer is {question.correct}. {question.explanation}",
+            )
         ok = math.isclose(value, question.answer, rel_tol=question.tolerance, abs_tol=1e-12)
     verdict = "Right" if ok else f"Not quite: the answer is {question.correct}"
     return ok, f"{verdict}. {question.explanation} (See {question.where}.)"

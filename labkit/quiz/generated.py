@@ -27,15 +27,21 @@ def model_states(rng: random.Random) -> Question:
     m = estimate(params=int(billions * 1e9), dp=gpus, zero_stage=stage, precision="mixed", optimizer="adam")
     gib = (m.params + m.grads + m.optimizer) / _GIB
     return Question(
-        "memory-gen-zero", "memory", "numeric",
+        "memory-gen-zero",
+        "memory",
+        "numeric",
         f"A {billions:g}-billion-parameter model is trained with mixed-precision Adam (16 bytes of model states per "
         f"parameter: 2 weights + 2 gradients + 12 optimizer) and ZeRO stage {stage} over {gpus} data-parallel GPUs. "
         "How many GiB of model states does each GPU hold (weights, gradients, optimizer; no activations)?",
-        gib, f"ZeRO-{stage} shards {['nothing', 'the optimizer states', 'the optimizer states and gradients', 'all three'][stage]}"
+        gib,
+        f"ZeRO-{stage} shards {['nothing', 'the optimizer states', 'the optimizer states and gradients', 'all three'][stage]}"
         f" over the {gpus} GPUs: {m.params / _GIB:.2f} + {m.grads / _GIB:.2f} + {m.optimizer / _GIB:.2f} GiB "
         "(Rajbhandari et al. 2020, Figure 1).",
-        "02_oom_batch", "2 · Explain", unit="GiB",
-        params={"billions": billions, "zero_stage": stage, "gpus": gpus})
+        "02_oom_batch",
+        "2 · Explain",
+        unit="GiB",
+        params={"billions": billions, "zero_stage": stage, "gpus": gpus},
+    )
 
 
 def bubble(rng: random.Random) -> Question:
@@ -45,12 +51,19 @@ def bubble(rng: random.Random) -> Question:
     m = rng.choice([k for k in (4, 8, 16, 32) if k >= p])
     value = 100 * bubble_fraction(p, m)
     return Question(
-        "pipeline-gen-bubble", "pipeline", "numeric",
+        "pipeline-gen-bubble",
+        "pipeline",
+        "numeric",
         f"A pipeline of {p} equal stages runs 1F1B with {m} micro-batches per step. What percentage of the step is "
         "the bubble (idle time)?",
-        value, f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {value:.1f} % (Huang et al. 2019; 1F1B has the same "
-        "bubble as GPipe, Narayanan et al. 2021).", "04_imbalanced_pipeline", "4 · Fix, part 1", unit="%",
-        params={"p": p, "m": m})
+        value,
+        f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {value:.1f} % (Huang et al. 2019; 1F1B has the same "
+        "bubble as GPipe, Narayanan et al. 2021).",
+        "04_imbalanced_pipeline",
+        "4 · Fix, part 1",
+        unit="%",
+        params={"p": p, "m": m},
+    )
 
 
 def ring_all_reduce(rng: random.Random) -> Question:
@@ -61,12 +74,19 @@ def ring_all_reduce(rng: random.Random) -> Question:
     bw = rng.choice([25, 50, 450])
     ms = collective_time_s("all_reduce", mib * 2**20, n, Link(bw, 0.0)) * 1e3
     return Question(
-        "cluster-gen-ring", "cluster", "numeric",
+        "cluster-gen-ring",
+        "cluster",
+        "numeric",
         f"A ring all-reduce of {mib} MiB runs over {n} GPUs whose links give {bw} GB/s per direction (1 GB = 1e9 "
         "bytes); ignore latency. How many milliseconds does it take?",
-        ms, f"2(n - 1) steps each move nbytes/n: 2 x {n - 1} x {mib} MiB / {n} / {bw} GB/s = {ms:.2f} ms (Thakur et "
-        "al. 2005).", "00_cluster_tour", "3 · How fast", unit="ms",
-        params={"mib": mib, "n": n, "bw": bw})
+        ms,
+        f"2(n - 1) steps each move nbytes/n: 2 x {n - 1} x {mib} MiB / {n} / {bw} GB/s = {ms:.2f} ms (Thakur et "
+        "al. 2005).",
+        "00_cluster_tour",
+        "3 · How fast",
+        unit="ms",
+        params={"mib": mib, "n": n, "bw": bw},
+    )
 
 
 def bus_bandwidth(rng: random.Random) -> Question:
@@ -76,12 +96,19 @@ def bus_bandwidth(rng: random.Random) -> Question:
     algbw = rng.choice([100, 150, 200, 240])
     value = algbw * bus_bandwidth_factor("all_reduce", n)
     return Question(
-        "cluster-gen-busbw", "cluster", "numeric",
+        "cluster-gen-busbw",
+        "cluster",
+        "numeric",
         f"nccl-tests reports an all-reduce algorithm bandwidth (size / time) of {algbw} GB/s on {n} GPUs. What bus "
         "bandwidth does it report next to it, in GB/s?",
-        value, f"busbw = algbw x 2(n - 1)/n = {algbw} x {2 * (n - 1)}/{n} = {value:.1f} GB/s, comparable with the "
-        "link's speed (nccl-tests doc/PERFORMANCE.md).", "00_cluster_tour", "3 · How fast", unit="GB/s",
-        params={"n": n, "algbw": algbw})
+        value,
+        f"busbw = algbw x 2(n - 1)/n = {algbw} x {2 * (n - 1)}/{n} = {value:.1f} GB/s, comparable with the "
+        "link's speed (nccl-tests doc/PERFORMANCE.md).",
+        "00_cluster_tour",
+        "3 · How fast",
+        unit="GB/s",
+        params={"n": n, "algbw": algbw},
+    )
 
 
 def accumulation(rng: random.Random) -> Question:
@@ -93,13 +120,21 @@ def accumulation(rng: random.Random) -> Question:
     global_batch = ranks * micro * steps
     value = accumulation_steps(global_batch, micro, ranks)
     return Question(
-        "memory-gen-accumulation", "memory", "numeric",
+        "memory-gen-accumulation",
+        "memory",
+        "numeric",
         f"A global batch of {global_batch} sequences is trained on {ranks} data-parallel GPUs whose largest micro-batch "
         "that fits is "
         f"{micro} sequences. How many micro-batches does each GPU accumulate per optimizer step?",
-        value, f"global batch = micro-batch x accumulation steps x ranks: {global_batch} / ({micro} x {ranks}) = "
-        f"{value}.", "02_oom_batch", "3 · Fix 1", unit="micro-batches", tolerance=0.0,
-        params={"global_batch": global_batch, "micro": micro, "ranks": ranks})
+        value,
+        f"global batch = micro-batch x accumulation steps x ranks: {global_batch} / ({micro} x {ranks}) = "
+        f"{value}.",
+        "02_oom_batch",
+        "3 · Fix 1",
+        unit="micro-batches",
+        tolerance=0.0,
+        params={"global_batch": global_batch, "micro": micro, "ranks": ranks},
+    )
 
 
 def activations(rng: random.Random) -> Question:
@@ -110,13 +145,19 @@ def activations(rng: random.Random) -> Question:
     t = rng.choice([1, 2, 4, 8])
     gib = korthikanti_activation_bytes(s, b, h, a, 1, tp=t) / _GIB
     return Question(
-        "memory-gen-activations", "memory", "numeric",
+        "memory-gen-activations",
+        "memory",
+        "numeric",
         f"Per Korthikanti et al. 2022 (16-bit activations, dropout, attention scores stored), how many GiB of "
         f"activations does one transformer layer keep for sequence {s}, micro-batch {b}, hidden size {h}, {a} heads, "
         f"with tensor parallelism t = {t} (no sequence parallelism)?",
-        gib, f"s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes = {gib:.3f} GiB (Korthikanti et al. 2022, Table 2).",
-        "02_oom_batch", "2 · Explain", unit="GiB",
-        params={"s": s, "b": b, "h": h, "a": a, "t": t})
+        gib,
+        f"s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes = {gib:.3f} GiB (Korthikanti et al. 2022, Table 2).",
+        "02_oom_batch",
+        "2 · Explain",
+        unit="GiB",
+        params={"s": s, "b": b, "h": h, "a": a, "t": t},
+    )
 
 
 def tensor_parallel_comm(rng: random.Random) -> Question:
@@ -128,17 +169,34 @@ def tensor_parallel_comm(rng: random.Random) -> Question:
     layers = rng.choice([12, 24, 32])
     mb, seq = rng.choice([1, 2, 4]), rng.choice([1024, 2048])
     tp = rng.choice([2, 4, 8])
-    where, link = rng.choice([("NVLink, 450 GB/s", Link(450.0, 0.0)), ("InfiniBand, 50 GB/s", Link(50.0, 0.0))])
+    where, link = rng.choice(
+        [("NVLink, 450 GB/s", Link(450.0, 0.0)), ("InfiniBand, 50 GB/s", Link(50.0, 0.0))]
+    )
     config = GPTConfig(n_layers=layers, d_model=h, n_heads=16, vocab_size=32000, seq_len=seq)
     ms = tp_comm_s(config, mb, tp, link, precision="mixed") * 1e3
     return Question(
-        "parallelism-gen-tp", "parallelism", "numeric",
+        "parallelism-gen-tp",
+        "parallelism",
+        "numeric",
         f"Megatron tensor parallelism of size {tp} over {where} per direction (ignore latency), a {layers}-layer model "
         f"of hidden size {h}, micro-batch {mb} of {seq} tokens, 16-bit activations. How many milliseconds of "
         "all-reduces does one micro-batch's forward and backward need?",
-        ms, f"4 all-reduces per layer (2 forward, 2 backward) of {mb} x {seq} x {h} x 2 bytes, each 2(t - 1)/t of it "
-        f"over the link: {ms:.2f} ms (Shoeybi et al. 2019).", "01_parallelism_choice", "2 · Mistake two",
-        unit="ms", params={"h": h, "layers": layers, "mb": mb, "seq": seq, "tp": tp, "bw": link.bandwidth_gb_s})
+        ms,
+        f"4 all-reduces per layer (2 forward, 2 backward) of {mb} x {seq} x {h} x 2 bytes, each 2(t - 1)/t of it "
+        f"over the link: {ms:.2f} ms (Shoeybi et al. 2019).",
+        "01_parallelism_choice",
+        "2 · Mistake two",
+        unit="ms",
+        params={"h": h, "layers": layers, "mb": mb, "seq": seq, "tp": tp, "bw": link.bandwidth_gb_s},
+    )
 
 
-GENERATORS = [model_states, bubble, ring_all_reduce, bus_bandwidth, accumulation, activations, tensor_parallel_comm]
+GENERATORS = [
+    model_states,
+    bubble,
+    ring_all_reduce,
+    bus_bandwidth,
+    accumulation,
+    activations,
+    tensor_parallel_comm,
+]

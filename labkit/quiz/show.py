@@ -24,8 +24,11 @@ def _prompt(q: Question, number: int) -> list[str]:
     if q.kind == "choice":
         lines += [f"   {chr(ord('a') + i)}) {c}" for i, c in enumerate(q.choices)]
     else:
-        lines.append(f"   (a number, in {q.unit}; within {q.tolerance:.0%})" if q.tolerance else
-                     f"   (a whole number of {q.unit})")
+        lines.append(
+            f"   (a number, in {q.unit}; within {q.tolerance:.0%})"
+            if q.tolerance
+            else f"   (a whole number of {q.unit})"
+        )
     return lines
 
 
@@ -47,15 +50,21 @@ def _parse(q: Question, raw: str) -> object:
     return raw
 
 
-def run_terminal(questions: list[Question], ask: Callable[[str], str] = input,
-                 say: Callable[[str], None] = print, minutes: float | None = None) -> dict[str, tuple[int, int]]:
+def run_terminal(
+    questions: list[Question],
+    ask: Callable[[str], str] = input,
+    say: Callable[[str], None] = print,
+    minutes: float | None = None,
+) -> dict[str, tuple[int, int]]:
     """Ask each question, give feedback at once, and print the score by topic; returns it.
     With `minutes`, questions after the time is up count as unanswered."""
     results, start = [], time.monotonic()
     for i, q in enumerate(questions, 1):
         if minutes is not None and time.monotonic() - start > minutes * 60:
-            say(f"time is up ({minutes:g} min): the remaining {len(questions) - i + 1} question(s) count as wrong")
-            results += [(rest, False) for rest in questions[i - 1:]]
+            say(
+                f"time is up ({minutes:g} min): the remaining {len(questions) - i + 1} question(s) count as wrong"
+            )
+            results += [(rest, False) for rest in questions[i - 1 :]]
             break
         say("\n".join(_prompt(q, i)))
         ok, feedback = grade(q, _parse(q, ask("your answer: ")))
@@ -69,7 +78,9 @@ def run_terminal(questions: list[Question], ask: Callable[[str], str] = input,
 def _score_lines(scores: dict[str, tuple[int, int]]) -> str:
     rows = [f"{topic:<14} {right}/{asked}" for topic, (right, asked) in scores.items() if topic != "all"]
     right, asked = scores.get("all", (0, 0))
-    return "\n".join(["score by topic:"] + rows + [f"{'all':<14} {right}/{asked} ({right / max(asked, 1):.0%})"])
+    return "\n".join(
+        ["score by topic:"] + rows + [f"{'all':<14} {right}/{asked} ({right / max(asked, 1):.0%})"]
+    )
 
 
 def show(topic: str | None = None, seed: int = 0, n: int | None = None, widgets: bool | None = None):
@@ -87,7 +98,9 @@ def mock_exam(n: int = 20, seed: int = 0, minutes: float = 30.0, widgets: bool |
     """A timed mock exam over every topic, scored by topic: widgets in JupyterLab, else the text form."""
     questions = exam(n, seed)
     if not (widgets_can_render() if widgets is None else widgets):
-        text = f"Mock exam: {n} questions, {minutes:g} minutes, topics: {', '.join(TOPICS)}\n\n" + text_form(questions)
+        text = f"Mock exam: {n} questions, {minutes:g} minutes, topics: {', '.join(TOPICS)}\n\n" + text_form(
+            questions
+        )
         print(text)
         return text
     return displayed(_quiz_widget(questions, minutes=minutes))
@@ -109,8 +122,9 @@ def _quiz_widget(questions: list[Question], minutes: float | None = None):
     boxes = []
     for i, q in enumerate(questions):
         if q.kind == "choice":
-            entry = w.RadioButtons(options=[(c, k) for k, c in enumerate(q.choices)], value=None,
-                                   layout=w.Layout(width="auto"))
+            entry = w.RadioButtons(
+                options=[(c, k) for k, c in enumerate(q.choices)], value=None, layout=w.Layout(width="auto")
+            )
         else:
             entry = w.Text(placeholder=f"a number, in {q.unit}")
         button = w.Button(description="Check", button_style="primary")
@@ -127,6 +141,12 @@ def _quiz_widget(questions: list[Question], minutes: float | None = None):
             update()
 
         button.on_click(check)
-        boxes.append(w.VBox([w.HTML(f"<b>Q{i + 1}</b> <i>[{q.topic}]</i> {q.text}"), entry, button, feedback]))
-    header = [w.HTML(f"<b>Mock exam</b>: {len(questions)} questions, {minutes:g} minutes from now")] if minutes else []
+        boxes.append(
+            w.VBox([w.HTML(f"<b>Q{i + 1}</b> <i>[{q.topic}]</i> {q.text}"), entry, button, feedback])
+        )
+    header = (
+        [w.HTML(f"<b>Mock exam</b>: {len(questions)} questions, {minutes:g} minutes from now")]
+        if minutes
+        else []
+    )
     return w.VBox(header + boxes + [total])

@@ -22,13 +22,13 @@ from labkit.trace.timeline import Step, Trace, TraceEvent, classify, overlap, re
 
 __all__ = [
     "CommLog",
+    "CommSpan",
     "Diagnosis",
     "RankBreakdown",
-    "analyze",
-    "CommSpan",
     "Step",
     "Trace",
     "TraceEvent",
+    "analyze",
     "capture",
     "classify",
     "device_trace_path",

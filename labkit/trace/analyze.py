@@ -35,8 +35,13 @@ __all__ = ["Collective", "RankBreakdown", "analyze", "trace_files"]
 
 Interval = tuple[float, float]
 
-HOST_SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-                 "cudaEventSynchronize")
+HOST_SYNC_OPS = (
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+)
 DATA_PREFIXES = ("enumerate(DataLoader)", PHASE_PREFIX + "data")
 
 
@@ -95,7 +100,9 @@ def trace_files(traces: str | Path | Sequence[str | Path]) -> list[tuple[int, Pa
     if isinstance(traces, (str, Path)):
         root = Path(traces)
         if not root.is_dir():
-            raise ValueError(f"{root} is not a directory of traces; pass the folder capture wrote, or a list of paths")
+            raise ValueError(
+                f"{root} is not a directory of traces; pass the folder capture wrote, or a list of paths"
+            )
         paths = sorted(p for p in root.iterdir() if p.name.endswith((".json", ".json.gz")))
     else:
         paths = [Path(p) for p in traces]
@@ -164,19 +171,41 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
         data = union(_clip([e for e in phases if e.name.startswith(DATA_PREFIXES)], lo, hi))
         colls = []
         for e in comm_events:
-            waited = _total([(max(a, e.start_us), min(b, e.end_us)) for a, b in waits if b > e.start_us and a < e.end_us])
+            waited = _total(
+                [(max(a, e.start_us), min(b, e.end_us)) for a, b in waits if b > e.start_us and a < e.end_us]
+            )
             after = _total(subtract(compute, [(lo, e.end_us)]))
             before = _total(subtract(compute, [(e.start_us, hi)]))
             during = _total(compute) - before - after
-            colls.append(Collective(e.name.removeprefix("comm:"), (e.start_us - lo) / 1e3, (e.end_us - lo) / 1e3,
-                                    (e.args or {}).get("bytes"), waited / 1e3, before / 1e3, after / 1e3,
-                                    during / 1e3))
+            colls.append(
+                Collective(
+                    e.name.removeprefix("comm:"),
+                    (e.start_us - lo) / 1e3,
+                    (e.end_us - lo) / 1e3,
+                    (e.args or {}).get("bytes"),
+                    waited / 1e3,
+                    before / 1e3,
+                    after / 1e3,
+                    during / 1e3,
+                )
+            )
         host_step = host.steps[i] if host is not None and i < len(host.steps) else None
         syncs = _named(host, host_step.start_us, host_step.end_us, HOST_SYNC_OPS, False) if host_step else []
-        rows.append(dict(step=(hi - lo) / 1e3, compute=(_total(compute) - _total(data)) / 1e3, comm=_total(comm) / 1e3,
-                         wait=_total(waits) / 1e3, exposed=_total(subtract(comm, compute)) / 1e3,
-                         data=_total(data) / 1e3, sync=_total(syncs) / 1e3, nsync=len(syncs), colls=colls,
-                         bytes=sum(c.nbytes or 0 for c in colls), host_step=host_step))
+        rows.append(
+            dict(
+                step=(hi - lo) / 1e3,
+                compute=(_total(compute) - _total(data)) / 1e3,
+                comm=_total(comm) / 1e3,
+                wait=_total(waits) / 1e3,
+                exposed=_total(subtract(comm, compute)) / 1e3,
+                data=_total(data) / 1e3,
+                sync=_total(syncs) / 1e3,
+                nsync=len(syncs),
+                colls=colls,
+                bytes=sum(c.nbytes or 0 for c in colls),
+                host_step=host_step,
+            )
+        )
     return _combine(rank, "emulated device timeline", rows, host)
 
 
@@ -193,25 +222,44 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
         if kernels:
             ncoll = len([e for e in kernels if e.lane == "comm" and lo <= e.start_us < hi])
         else:
-            comm_events = [e for e in host.lane("comm") if lo <= e.start_us < hi and e.category == COMM_CATEGORY]
-            ncoll = len(comm_events) or len([e for e in host.lane("comm") if lo <= e.start_us < hi
-                                                  and e.name.startswith("c10d::")])
+            comm_events = [
+                e for e in host.lane("comm") if lo <= e.start_us < hi and e.category == COMM_CATEGORY
+            ]
+            ncoll = len(comm_events) or len(
+                [e for e in host.lane("comm") if lo <= e.start_us < hi and e.name.startswith("c10d::")]
+            )
         data = _named(host, lo, hi, DATA_PREFIXES, True)
         syncs = _named(host, lo, hi, HOST_SYNC_OPS, False)
         busy = union(compute + comm)
-        rows.append(dict(step=(hi - lo) / 1e3, compute=max(0.0, _total(compute) - (0 if kernels else _total(data))) / 1e3,
-                         comm=_total(comm) / 1e3, wait=_total(subtract([(lo, hi)], busy if kernels else compute)) / 1e3,
-                         exposed=_total(subtract(comm, compute)) / 1e3, data=_total(data) / 1e3,
-                         sync=_total(syncs) / 1e3, nsync=len(syncs), colls=[], ncoll=ncoll, bytes=0, host_step=s))
+        rows.append(
+            dict(
+                step=(hi - lo) / 1e3,
+                compute=max(0.0, _total(compute) - (0 if kernels else _total(data))) / 1e3,
+                comm=_total(comm) / 1e3,
+                wait=_total(subtract([(lo, hi)], busy if kernels else compute)) / 1e3,
+                exposed=_total(subtract(comm, compute)) / 1e3,
+                data=_total(data) / 1e3,
+                sync=_total(syncs) / 1e3,
+                nsync=len(syncs),
+                colls=[],
+                ncoll=ncoll,
+                bytes=0,
+                host_step=s,
+            )
+        )
     return _combine(rank, source, rows, host)
 
 
 def _combine(rank: int, source: str, rows: list[dict], host: Trace | None) -> RankBreakdown:
     if not rows:
-        raise ValueError(f"rank {rank}'s trace has no ProfilerStep#N windows; capture it with labkit.trace.capture")
+        raise ValueError(
+            f"rank {rank}'s trace has no ProfilerStep#N windows; capture it with labkit.trace.capture"
+        )
     n = len(rows)
 
-    def mean(key: str) -> float:  # the median over steps: one step with a slow moment of the host does not count
+    def mean(
+        key: str,
+    ) -> float:  # the median over steps: one step with a slow moment of the host does not count
         return statistics.median(r[key] for r in rows)
 
     top: dict[str, float] = collections.defaultdict(float)
@@ -222,11 +270,22 @@ def _combine(rank: int, source: str, rows: list[dict], host: Trace | None) -> Ra
                     top[name] += us / 1e3 / n
     ncoll = [r.get("ncoll", len(r["colls"])) for r in rows]
     return RankBreakdown(
-        rank=rank, source=source, steps=n, step_ms=statistics.median(r["step"] for r in rows),
-        compute_ms=mean("compute"), comm_ms=mean("comm"), wait_ms=mean("wait"), exposed_comm_ms=mean("exposed"),
-        data_ms=mean("data"), host_sync_ms=mean("sync"), host_syncs=mean("nsync"), collectives=sum(ncoll) / n,
-        comm_bytes=mean("bytes"), top_ops=sorted(top.items(), key=lambda kv: -kv[1])[:8],
-        step_collectives=rows[-1]["colls"])
+        rank=rank,
+        source=source,
+        steps=n,
+        step_ms=statistics.median(r["step"] for r in rows),
+        compute_ms=mean("compute"),
+        comm_ms=mean("comm"),
+        wait_ms=mean("wait"),
+        exposed_comm_ms=mean("exposed"),
+        data_ms=mean("data"),
+        host_sync_ms=mean("sync"),
+        host_syncs=mean("nsync"),
+        collectives=sum(ncoll) / n,
+        comm_bytes=mean("bytes"),
+        top_ops=sorted(top.items(), key=lambda kv: -kv[1])[:8],
+        step_collectives=rows[-1]["colls"],
+    )
 
 
 def analyze(traces: str | Path | Sequence[str | Path]) -> list[RankBreakdown]:

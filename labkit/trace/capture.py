@@ -40,9 +40,11 @@ def _trace_path(path: str | Path | None, rank: int) -> Path:
     if path is None:
         world, local = os.environ.get("WORLD_SIZE", "1"), os.environ.get("LOCAL_WORLD_SIZE", "")
         if local.isdigit() and world.isdigit() and int(world) > int(local):  # torchrun over several nodes
-            raise ValueError(f"capture(path=None) on rank {rank} of a {world}-rank job over several nodes would "
-                             f"write to this node's {tempfile.gettempdir()}, where the other nodes' ranks cannot be "
-                             "read with it: pass path= a folder on a file system every node shares")
+            raise ValueError(
+                f"capture(path=None) on rank {rank} of a {world}-rank job over several nodes would "
+                f"write to this node's {tempfile.gettempdir()}, where the other nodes' ranks cannot be "
+                "read with it: pass path= a folder on a file system every node shares"
+            )
         return Path(tempfile.gettempdir()) / "labkit_traces" / f"trace_rank{rank}.json"
     text = str(path)
     if "{rank}" in text:

@@ -37,35 +37,89 @@ def device_trace_path(host_trace: str | Path) -> Path:
     return p.with_name(p.stem + ".device" + (p.suffix or ".json"))
 
 
-def write_device_trace(path: str | Path, clock: VirtualClock, steps: list[tuple[int, float, float]],
-                       rank: int = 0) -> Path:
+def write_device_trace(
+    path: str | Path, clock: VirtualClock, steps: list[tuple[int, float, float]], rank: int = 0
+) -> Path:
     """Write the steps `[(number, start, end), ...]` (virtual seconds) of `clock`'s timeline."""
     path = Path(path)
     us = 1e6
     events: list[dict] = [
-        {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (emulated GPU, virtual time)"}},
-        {"ph": "M", "name": "thread_name", "pid": rank, "tid": DEVICE_COMPUTE, "args": {"name": DEVICE_COMPUTE}},
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": rank,
+            "args": {"name": f"rank {rank} (emulated GPU, virtual time)"},
+        },
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": rank,
+            "tid": DEVICE_COMPUTE,
+            "args": {"name": DEVICE_COMPUTE},
+        },
         {"ph": "M", "name": "thread_name", "pid": rank, "tid": DEVICE_COMM, "args": {"name": DEVICE_COMM}},
-        {"ph": "M", "name": "thread_name", "pid": rank, "tid": DEVICE_PHASES, "args": {"name": DEVICE_PHASES}},
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": rank,
+            "tid": DEVICE_PHASES,
+            "args": {"name": DEVICE_PHASES},
+        },
     ]
     waits = list(clock.waits)
     collectives = list(clock.collectives)
     phases = list(clock.phases)
     for number, lo, hi in steps:
-        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{number}", "pid": rank,
-                       "tid": DEVICE_COMPUTE, "ts": lo * us, "dur": (hi - lo) * us})
+        events.append(
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": f"ProfilerStep#{number}",
+                "pid": rank,
+                "tid": DEVICE_COMPUTE,
+                "ts": lo * us,
+                "dur": (hi - lo) * us,
+            }
+        )
         for a, b in subtract([(lo, hi)], union(waits)):
-            events.append({"ph": "X", "cat": "kernel", "name": "compute", "pid": rank, "tid": DEVICE_COMPUTE,
-                           "ts": a * us, "dur": (b - a) * us})
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": "compute",
+                    "pid": rank,
+                    "tid": DEVICE_COMPUTE,
+                    "ts": a * us,
+                    "dur": (b - a) * us,
+                }
+            )
         for name, issued, done, nbytes in collectives:
             if lo <= issued < hi:  # a collective belongs to the step that issued it
-                events.append({"ph": "X", "cat": COMM_CATEGORY, "name": f"comm:{name}", "pid": rank,
-                               "tid": DEVICE_COMM, "ts": issued * us, "dur": (done - issued) * us,
-                               "args": {"bytes": nbytes}})
+                events.append(
+                    {
+                        "ph": "X",
+                        "cat": COMM_CATEGORY,
+                        "name": f"comm:{name}",
+                        "pid": rank,
+                        "tid": DEVICE_COMM,
+                        "ts": issued * us,
+                        "dur": (done - issued) * us,
+                        "args": {"bytes": nbytes},
+                    }
+                )
         for name, a, b in phases:
             if lo <= a < hi:
-                events.append({"ph": "X", "cat": PHASE_CATEGORY, "name": PHASE_PREFIX + name, "pid": rank,
-                               "tid": DEVICE_PHASES, "ts": a * us, "dur": (b - a) * us})
+                events.append(
+                    {
+                        "ph": "X",
+                        "cat": PHASE_CATEGORY,
+                        "name": PHASE_PREFIX + name,
+                        "pid": rank,
+                        "tid": DEVICE_PHASES,
+                        "ts": a * us,
+                        "dur": (b - a) * us,
+                    }
+                )
     path.parent.mkdir(parents=True, exist_ok=True)
     dump_json(path, {"traceEvents": events, "distributedInfo": {"rank": rank}, "displayTimeUnit": "ms"})
     return path

@@ -71,8 +71,13 @@ def _check_data(b: list[RankBreakdown]) -> Diagnosis | None:
     slow = [r.rank for r in b if r.data_ms / r.step_ms >= DATA_SHARE]
     rank = None if len(slow) == len(b) else worst.rank
     where = "every rank" if rank is None else f"rank {worst.rank}"
-    return Diagnosis("data_loading", rank, f"{where} spends {worst.data_ms:.1f} of {worst.step_ms:.1f} ms per step "
-                     f"({_pct(share)}) loading data in the training process (threshold {_pct(DATA_SHARE)})", b)
+    return Diagnosis(
+        "data_loading",
+        rank,
+        f"{where} spends {worst.data_ms:.1f} of {worst.step_ms:.1f} ms per step "
+        f"({_pct(share)}) loading data in the training process (threshold {_pct(DATA_SHARE)})",
+        b,
+    )
 
 
 def _check_host_sync(b: list[RankBreakdown]) -> Diagnosis | None:
@@ -80,9 +85,14 @@ def _check_host_sync(b: list[RankBreakdown]) -> Diagnosis | None:
     share = worst.host_sync_ms / worst.step_ms
     if share < HOST_SYNC_SHARE:
         return None
-    return Diagnosis("host_sync", None, f"rank {worst.rank} waits {worst.host_sync_ms:.1f} ms per step "
-                     f"({_pct(share)}) in {worst.host_syncs:.0f} host synchronisations (.item(), cudaSynchronize): "
-                     "the host stops feeding the GPU until its queue drains", b)
+    return Diagnosis(
+        "host_sync",
+        None,
+        f"rank {worst.rank} waits {worst.host_sync_ms:.1f} ms per step "
+        f"({_pct(share)}) in {worst.host_syncs:.0f} host synchronisations (.item(), cudaSynchronize): "
+        "the host stops feeding the GPU until its queue drains",
+        b,
+    )
 
 
 def _check_straggler(b: list[RankBreakdown]) -> Diagnosis | None:
@@ -97,9 +107,14 @@ def _check_straggler(b: list[RankBreakdown]) -> Diagnosis | None:
     # the others wait for it, and it waits much less than they do (a collective every rank waits on is not it)
     if ratio < STRAGGLER_RATIO or waited < WAIT_SHARE or own_wait > waited / 2:
         return None
-    return Diagnosis("straggler", slow.rank, f"rank {slow.rank} computes {slow.compute_ms + slow.data_ms:.1f} ms per "
-                     f"step, {ratio:.2f}x the other ranks' {typical:.1f} ms, and they wait {_pct(waited)} of their "
-                     "step for it", b)
+    return Diagnosis(
+        "straggler",
+        slow.rank,
+        f"rank {slow.rank} computes {slow.compute_ms + slow.data_ms:.1f} ms per "
+        f"step, {ratio:.2f}x the other ranks' {typical:.1f} ms, and they wait {_pct(waited)} of their "
+        "step for it",
+        b,
+    )
 
 
 def _check_small(b: list[RankBreakdown]) -> Diagnosis | None:
@@ -108,24 +123,36 @@ def _check_small(b: list[RankBreakdown]) -> Diagnosis | None:
     if r.collectives < MANY_COLLECTIVES or share < WAIT_SHARE:
         return None
     mean_bytes = r.comm_bytes / r.collectives if r.comm_bytes else None
-    if r.step_collectives:  # the device timeline: were they waited for one by one, with nothing computed beside?
+    if (
+        r.step_collectives
+    ):  # the device timeline: were they waited for one by one, with nothing computed beside?
         alone = [c for c in r.step_collectives if c.overlapped_ms <= 0.1 * (c.end_ms - c.start_ms)]
         if len(alone) < EXPOSED_SHARE * len(r.step_collectives):
             return None  # most ran under compute, as DDP's buckets do during backward
     elif mean_bytes is not None and mean_bytes > SMALL_BYTES:
         return None
     size = f" of {mean_bytes / 1024:.1f} KiB on average" if mean_bytes else ""
-    return Diagnosis("small_collectives", None, f"{r.collectives:.0f} collectives per step{size}, one after another "
-                     f"with nothing computed beside them; rank {r.rank} is blocked {r.wait_ms:.1f} ms ({_pct(share)}) "
-                     "of its step: each pays a fixed cost", b)
+    return Diagnosis(
+        "small_collectives",
+        None,
+        f"{r.collectives:.0f} collectives per step{size}, one after another "
+        f"with nothing computed beside them; rank {r.rank} is blocked {r.wait_ms:.1f} ms ({_pct(share)}) "
+        "of its step: each pays a fixed cost",
+        b,
+    )
 
 
 def _check_sync_collective(b: list[RankBreakdown]) -> Diagnosis | None:
     best = None
     for r in b:
         total_compute = r.compute_ms + r.data_ms
-        mid = [c for c in r.step_collectives if c.waited_ms > 0 and c.compute_before_ms <= EARLY * total_compute
-               and c.compute_after_ms >= LATE * total_compute]
+        mid = [
+            c
+            for c in r.step_collectives
+            if c.waited_ms > 0
+            and c.compute_before_ms <= EARLY * total_compute
+            and c.compute_after_ms >= LATE * total_compute
+        ]
         waited = sum(c.waited_ms for c in mid)
         if mid and len(mid) <= 4 and waited >= WAIT_SHARE * r.step_ms and (best is None or waited > best[1]):
             best = (r, waited, mid)
@@ -134,9 +161,14 @@ def _check_sync_collective(b: list[RankBreakdown]) -> Diagnosis | None:
     r, waited, mid = best
     names = ", ".join(sorted({c.name.split(" #")[0] for c in mid}))
     size = sum(c.nbytes or 0 for c in mid)
-    return Diagnosis("sync_collective", None, f"rank {r.rank} stops early in its step and waits {waited:.1f} ms "
-                     f"({_pct(waited / r.step_ms)}) for {len(mid)} collective(s) ({names}, {size / 1024:.0f} KiB) "
-                     "with compute still to do after them: a blocking collective outside backward (logging?)", b)
+    return Diagnosis(
+        "sync_collective",
+        None,
+        f"rank {r.rank} stops early in its step and waits {waited:.1f} ms "
+        f"({_pct(waited / r.step_ms)}) for {len(mid)} collective(s) ({names}, {size / 1024:.0f} KiB) "
+        "with compute still to do after them: a blocking collective outside backward (logging?)",
+        b,
+    )
 
 
 _RULES = (_check_data, _check_host_sync, _check_straggler, _check_small, _check_sync_collective)
@@ -160,7 +192,12 @@ def diagnose(traces: str | Path | Sequence[str | Path]) -> Diagnosis:
     slow = max(b, key=lambda r: r.compute_ms + r.data_ms)
     others = [r.compute_ms + r.data_ms for r in b if r.rank != slow.rank] or [slow.compute_ms + slow.data_ms]
     ratio = (slow.compute_ms + slow.data_ms) / max(statistics.median(others), 1e-9)
-    return Diagnosis("none", None, f"no rule fired: the most any rank waits is {_pct(worst.wait_ms / worst.step_ms)} "
-                     f"of its step (rank {worst.rank}), data loading and host syncs are below "
-                     f"{_pct(DATA_SHARE)} and {_pct(HOST_SYNC_SHARE)}, and the busiest rank (rank {slow.rank}) "
-                     f"computes {ratio:.2f}x the others' median (a straggler: {STRAGGLER_RATIO}x)", b)
+    return Diagnosis(
+        "none",
+        None,
+        f"no rule fired: the most any rank waits is {_pct(worst.wait_ms / worst.step_ms)} "
+        f"of its step (rank {worst.rank}), data loading and host syncs are below "
+        f"{_pct(DATA_SHARE)} and {_pct(HOST_SYNC_SHARE)}, and the busiest rank (rank {slow.rank}) "
+        f"computes {ratio:.2f}x the others' median (a straggler: {STRAGGLER_RATIO}x)",
+        b,
+    )

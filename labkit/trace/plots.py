@@ -76,21 +76,33 @@ def plot_timeline(
     return _finish(fig, ax, title)
 
 
-def plot_pipeline(spans_by_rank: Sequence[Sequence[tuple[str, int, int, float, float]]], step_ms: float | None = None,
-                  ax: Any = None, title: str = "One pipeline step") -> Any:
+def plot_pipeline(
+    spans_by_rank: Sequence[Sequence[tuple[str, int, int, float, float]]],
+    step_ms: float | None = None,
+    ax: Any = None,
+    title: str = "One pipeline step",
+) -> Any:
     """A Gantt chart of one pipeline step: per rank, its forward ("F") and backward ("B") spans
     `(kind, stage, micro_batch, start_ms, end_ms)`, labelled with the micro-batch; white is idle.
     Returns the matplotlib Figure."""
     if not spans_by_rank:
         raise ValueError("plot_pipeline got no ranks; pass summary.spans from summarize_pipeline.")
     fig, ax = _axes(ax, 0.8 + 0.55 * len(spans_by_rank))
-    end = step_ms if step_ms is not None else max((e for spans in spans_by_rank for *_, e in spans), default=1.0)
+    end = (
+        step_ms
+        if step_ms is not None
+        else max((e for spans in spans_by_rank for *_, e in spans), default=1.0)
+    )
     shades = {"F": ("tab:blue", "lightsteelblue"), "B": ("tab:green", "darkseagreen")}
     for rank, spans in enumerate(spans_by_rank):
         busy = sum(e - a for *_, a, e in spans)
         for kind, stage, mb, a, e in spans:
-            color = shades[kind][stage // len(spans_by_rank) % 2]  # a second chunk per rank: the lighter shade
-            ax.broken_barh([(a, e - a)], (-rank - 0.4, 0.8), facecolor=color, edgecolor="white", linewidth=0.5)
+            color = shades[kind][
+                stage // len(spans_by_rank) % 2
+            ]  # a second chunk per rank: the lighter shade
+            ax.broken_barh(
+                [(a, e - a)], (-rank - 0.4, 0.8), facecolor=color, edgecolor="white", linewidth=0.5
+            )
             if e - a > end * 0.012:
                 ax.text((a + e) / 2, -rank, str(mb), ha="center", va="center", fontsize=7, color="white")
         ax.text(end, -rank, f"  idle {100 * (1 - busy / end):.0f}%", va="center", fontsize=8)
@@ -113,16 +125,31 @@ def mark_diagnosis(fig: Any, traces: Sequence[Trace], diagnosis: Any, step: int 
             ax.axhspan(y - 1.5, y + 0.5, color=color, alpha=0.12)
         if diagnosis.kind == "data_loading":
             for e in tr.events:
-                if e.category == "labkit_phase" and e.name.startswith("phase:data") and s.start_us <= e.start_us < s.end_us:
+                if (
+                    e.category == "labkit_phase"
+                    and e.name.startswith("phase:data")
+                    and s.start_us <= e.start_us < s.end_us
+                ):
                     a = (e.start_us - s.start_us) / 1e3
-                    ax.broken_barh([(a, e.dur_us / 1e3)], (y - 0.45, 0.9), facecolor="none", edgecolor=color,
-                                   hatch="//", linewidth=1.0)
+                    ax.broken_barh(
+                        [(a, e.dur_us / 1e3)],
+                        (y - 0.45, 0.9),
+                        facecolor="none",
+                        edgecolor=color,
+                        hatch="//",
+                        linewidth=1.0,
+                    )
         if diagnosis.kind in ("sync_collective", "small_collectives"):
             for e in tr.lane("comm"):
                 if s.start_us <= e.start_us < s.end_us:
                     a = (e.start_us - s.start_us) / 1e3
-                    ax.broken_barh([(a, e.dur_us / 1e3)], (y - 1.45, 0.9), facecolor="none", edgecolor=color,
-                                   linewidth=1.0)
+                    ax.broken_barh(
+                        [(a, e.dur_us / 1e3)],
+                        (y - 1.45, 0.9),
+                        facecolor="none",
+                        edgecolor=color,
+                        linewidth=1.0,
+                    )
     who = "" if diagnosis.rank is None else f" on rank {diagnosis.rank}"
     ax.set_title(f"{ax.get_title()}\ndiagnosis: {diagnosis.kind}{who} (marked in red)", fontsize=10)
     fig.tight_layout()

@@ -29,8 +29,19 @@ from typing import Any
 
 from labkit.trace.commlog import COMM_CATEGORY
 
-__all__ = ["Step", "Trace", "TraceEvent", "classify", "dump_json", "load_json", "overlap", "read_trace",
-           "step_lanes", "subtract", "union"]
+__all__ = [
+    "Step",
+    "Trace",
+    "TraceEvent",
+    "classify",
+    "dump_json",
+    "load_json",
+    "overlap",
+    "read_trace",
+    "step_lanes",
+    "subtract",
+    "union",
+]
 
 Interval = tuple[float, float]
 
@@ -250,8 +261,17 @@ def step_lanes(trace: Trace, step: int | None = None) -> dict[str, list[Interval
     lo, hi = s.start_us, s.end_us
     device = [e for e in trace.events if e.category in _DEVICE_CATEGORIES and e.lane is not None]
     if device:  # (the emulated device timeline is written the same way: "kernel" compute, CommLog spans)
-        comm = union(_clip([e for e in trace.events if e.lane == "comm" and
-                            (e.category in _DEVICE_CATEGORIES or e.category == COMM_CATEGORY)], lo, hi))
+        comm = union(
+            _clip(
+                [
+                    e
+                    for e in trace.events
+                    if e.lane == "comm" and (e.category in _DEVICE_CATEGORIES or e.category == COMM_CATEGORY)
+                ],
+                lo,
+                hi,
+            )
+        )
         compute = union(_clip([e for e in device if e.lane == "compute"], lo, hi))
     else:
         comm = union(_clip(trace.lane("comm"), lo, hi))
