@@ -11,7 +11,7 @@ named after its idea (docs/architecture.md has the map):
 * communication: `OverlappedDDP`, `allreduce_gradients_naive` (`labkit.parallel.data`),
   `bandwidth_test` (`labkit.bandwidth`), `bus_bandwidth_factor` (`labkit.links`);
 * traces: `capture`, `read_trace`, `overlap`, `plot_timeline`, `CommLog` (`labkit.trace`);
-* the course: `record`, `read_records` (`labkit.course.records`).
+* the course: `record`, `read_records` (`labkit.records`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ _HOME = {
     "bandwidth_test": "labkit.bandwidth",
     "GPU": "labkit.cluster",
     "Cluster": "labkit.cluster",
-    "read_records": "labkit.course.records",
-    "record": "labkit.course.records",
+    "read_records": "labkit.records",
+    "record": "labkit.records",
     "MemoryBudget": "labkit.emulate",
-    "RankError": "labkit.launcher",
+    "RankError": "labkit.errors",
     "launch": "labkit.launcher",
     "Link": "labkit.links",
     "bus_bandwidth_factor": "labkit.links",
@@ -48,12 +48,12 @@ _HOME = {
     "OverlappedDDP": "labkit.parallel.data",
     "allreduce_gradients_naive": "labkit.parallel.data",
     "plan": "labkit.planner",
-    "clock": "labkit.runtime",
+    "clock": "labkit.timer",
     "current_cluster": "labkit.runtime",
     "device": "labkit.runtime",
-    "max_memory_allocated": "labkit.runtime",
-    "memory_allocated": "labkit.runtime",
-    "reset_peak_memory_stats": "labkit.runtime",
+    "max_memory_allocated": "labkit.device_memory",
+    "memory_allocated": "labkit.device_memory",
+    "reset_peak_memory_stats": "labkit.device_memory",
     "CommLog": "labkit.trace",
     "capture": "labkit.trace",
     "overlap": "labkit.trace",

@@ -4,7 +4,7 @@
 (size, time per collective, algorithm bandwidth and bus bandwidth as nccl-tests defines them,
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The bus-bandwidth
 factors and the α-β model the results are compared with live in `labkit.links`; the timer
-is `labkit.runtime.clock`.
+is `labkit.timer.clock`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit import runtime, validate
+from labkit import runtime, timer, validate
 from labkit.links import bus_bandwidth_factor
 
 __all__ = ["bandwidth_test"]
@@ -54,11 +54,11 @@ def _run(
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / count  # elapsed_time is in ms
-    t0 = runtime.clock()
+    t0 = timer.clock()
     works = [_start(op, full, shard, src, group) for _ in range(count)]
     for work in works:
         work.wait()
-    return (runtime.clock() - t0) / count
+    return (timer.clock() - t0) / count
 
 
 def bandwidth_test(
@@ -76,7 +76,7 @@ def bandwidth_test(
     `size_bytes` follows nccl-tests: the buffer of all_reduce and broadcast, the *output* of
     all_gather and the *input* of reduce_scatter (sizes are rounded down to a multiple of
     world_size elements). As in nccl-tests, `warmup` then `iters` collectives are launched
-    back to back and waited for at the end, timed on `labkit.runtime.clock` (the virtual
+    back to back and waited for at the end, timed on `labkit.timer.clock` (the virtual
     device clock on the emulated cluster). Each row: op, size_bytes, world_size, time_ms (per
     collective), algbw_GBps = size / time and busbw_GBps = algbw · bus_bandwidth_factor(op, n).
     """

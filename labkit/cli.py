@@ -135,11 +135,33 @@ def _select(solutions: Path, lab: str | None) -> list[Path]:
     return notebooks
 
 
-def run(args: argparse.Namespace) -> int:
-    import papermill
+def _lab_params(notebooks: list[Path], given: dict) -> dict[str, dict]:
+    """Per lab, the `-p` values that are its parameters, checked by its `Params` before any kernel starts
+    (`ParamError` says the fix as `-p KEY VALUE`); a key that is none of the labs' is refused."""
+    from labkit.experiments import registry
+    from labkit.experiments.params import ParamError
 
-    from labkit.course.records import read_records
+    labs = [nb.stem for nb in notebooks if nb.stem in registry.LABS]
+    fields = {lab: registry.params_of(lab).field_docs() for lab in labs}
+    unknown = [k for k in given if not any(k in f for f in fields.values())]
+    if unknown:
+        where = labs[0] if len(labs) == 1 else "any of the labs run"
+        known = ", ".join(sorted({k for f in fields.values() for k in f}))
+        raise ParamError(unknown[0], given[unknown[0]], f"a parameter of {where} ({known})", form="p")
+    out = {}
+    for lab in labs:
+        mine = {k: v for k, v in given.items() if k in fields[lab]}
+        registry.params_of(lab).make(mine, "p")
+        out[lab] = mine
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from labkit.course.execute import execute
     from labkit.course.report import write_report
+    from labkit.course.runs import new_run_dir, point_latest, run_context
+    from labkit.experiments.params import ParamError
+    from labkit.records import read_records
 
     root = _root(args.root)
     solutions = root / "solutions"
@@ -150,50 +172,35 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     notebooks = _select(solutions, args.lab)
-    from labkit.course.runs import new_run_dir, point_latest, run_context
-
+    given = {"cluster": args.cluster, **_parse_params(args.param)}
+    try:
+        per_lab = _lab_params(notebooks, given)
+    except ParamError as err:
+        print(f"labkit run: {err}", file=sys.stderr)
+        return EXIT_USAGE
     base = Path(args.out)
     out = new_run_dir(base)  # a folder of its own: never mixed with an earlier run
     os.environ["LABKIT_TEXT_ONLY"] = "1"  # the kernels papermill starts: quizzes as text (labkit.quiz.show)
-    params = {"cluster": args.cluster, **_parse_params(args.param)}
     results = []
     failed = []
     for i, nb in enumerate(notebooks, 1):
         lab = nb.stem
+        params = per_lab.get(lab, given)
         target = out / nb.name
         workdir = out / lab  # figures a notebook saves land here, and the report links them
         workdir.mkdir(exist_ok=True)
         print(f"[{i}/{len(notebooks)}] {lab}: running with {params} ...", flush=True)
-        t0 = time.perf_counter()
-        entry: dict = {"lab": lab, "notebook": str(target), "parameters": params}
-        try:
-            papermill.execute_notebook(
-                str(nb),
-                str(target),
-                parameters=params,
-                cwd=str(workdir),
-                kernel_name=args.kernel,
-                execution_timeout=args.cell_timeout,
-                progress_bar=not args.quiet,
-                log_output=False,
-                # ipykernel warns at every start that its localhost TCP transport is unencrypted;
-                # harmless here, and it buried the progress lines. Errors still show.
-                extra_arguments=["--IPKernelApp.log_level=ERROR"],
-            )
-            entry["status"] = "passed"
-        except papermill.PapermillExecutionError as exc:
-            entry["status"] = "failed"
-            entry["error"] = f"cell {exc.cell_index} (execution {exc.exec_count}): {exc.ename}: {exc.evalue}"
-        except Exception as exc:  # timeouts, a dead kernel
-            entry["status"] = "failed"
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-        entry["seconds"] = round(time.perf_counter() - t0, 1)
-        entry["records"] = read_records(target) if target.exists() else {}
+        run_ = execute(nb, target, parameters=params, cwd=workdir, kernel=args.kernel,
+                       cell_timeout=args.cell_timeout, progress=not args.quiet)
+        entry: dict = {"lab": lab, "notebook": str(target), "parameters": params,
+                       "status": "passed" if run_.ok else "failed", "seconds": round(run_.seconds, 1),
+                       "records": read_records(target) if target.exists() else {}}
+        if not run_.ok:
+            entry["error"] = run_.error
+            failed.append(f"{lab} {run_.error}")
         results.append(entry)
-        verdict = "passed" if entry["status"] == "passed" else f"FAILED at {entry['error']}"
+        verdict = "passed" if run_.ok else f"FAILED at {run_.error}"
         print(f"[{i}/{len(notebooks)}] {lab}: {verdict} in {entry['seconds']} s", flush=True)
-        if entry["status"] != "passed":
-            failed.append(f"{lab} {entry['error']}")
     json_path, md_path = write_report(out, results, context=run_context(root, args.cluster))
     latest = point_latest(base, out)
     print(f"report: {md_path} (and {json_path.name}); {latest} points to it")

@@ -11,7 +11,7 @@ ProcessGroupNCCL, see "PYTORCH ProcessGroupNCCL Environment Variables" and the F
   `entries` hold, per collective, `collective_seq_id`, `profiling_name` ("nccl:all_reduce"), `state`
   ("scheduled", "started" or "completed"), `input_sizes` and `input_dtypes`.
 
-`read_records(run_dir, world_size)` gives each dumped rank's record in `diagnose_hang`'s shape: the collectives
+`read_collective_records(run_dir, world_size)` gives each dumped rank's record in `diagnose_hang`'s shape: the collectives
 counted, the last one, the first one not completed, and the status.
 
 Under torchrun nothing is left to read the dumps once the watchdog has ended the ranks, so `labkit.torchrun` points
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DUMP_PREFIX", "env_for", "main", "read_records", "record_of", "wait_for_dumps"]
+__all__ = ["DUMP_PREFIX", "env_for", "main", "read_collective_records", "record_of", "wait_for_dumps"]
 
 DUMP_PREFIX = "nccl_trace_rank_"
 _ENTRIES = 2000  # collectives kept per rank: a few steps of a lab, a few MB at most
@@ -85,7 +85,7 @@ def wait_for_dumps(run_dir: str | Path, ranks: list[int], seconds: float = 5.0) 
         time.sleep(0.2)
 
 
-def read_records(run_dir: str | Path, world_size: int) -> dict[int, dict]:
+def read_collective_records(run_dir: str | Path, world_size: int) -> dict[int, dict]:
     """Each rank's record from its flight-recorder dump; ranks without a (readable) dump are left out."""
     records = {}
     for r in range(world_size):
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help=f"the folder of the dumps ({DUMP_PREFIX}<rank> files)")
     p.add_argument("--world-size", type=int, required=True, help="ranks in the job (a missing dump is named)")
     args = p.parse_args(argv)
-    records = read_records(args.dir, args.world_size)
+    records = read_collective_records(args.dir, args.world_size)
     if not records:
         print(
             f"no readable dump ({DUMP_PREFIX}<rank>) in {args.dir}: the watchdog wrote none (was "

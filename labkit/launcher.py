@@ -58,6 +58,7 @@ import torch.distributed as dist
 from labkit import emulate, flight_recorder, torchrun, validate, worker
 from labkit.cluster import Cluster
 from labkit.emulate import diagnose_hang
+from labkit.errors import RankError
 
 __all__ = ["RankError", "launch"]
 # torch.distributed.pipelining pulls in dynamo: ~1.5 s of CPU per rank, 8 ranks on 2 cores ~6 s per launch.
@@ -66,19 +67,6 @@ _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "lab
     ["torch.distributed.pipelining"] if torch.version.cuda is None else []
 )
 _GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
-
-
-class RankError(RuntimeError):
-    """A rank failed: it raised, died, or hung in a collective."""
-
-    def __init__(
-        self, message: str, *, rank: int, kind: str, exc_type: str | None = None, remote_traceback: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.kind = kind  # "raised" | "died" | "hung"
-        self.exc_type = exc_type
-        self.remote_traceback = remote_traceback
 
 
 # -------------------------------------------------------------------- the parent
@@ -338,11 +326,11 @@ def launch(
 def _records(run_dir: Path, world_size: int, nccl: bool) -> dict[int, dict]:
     """Each rank's collective record: the emulated group's files, or NCCL's flight-recorder dumps."""
     if not nccl:
-        return emulate.read_records(run_dir, world_size)
+        return emulate.read_collective_records(run_dir, world_size)
     flight_recorder.wait_for_dumps(
         run_dir, list(range(world_size))
     )  # the watchdogs dump at about the same time
-    return flight_recorder.read_records(run_dir, world_size)
+    return flight_recorder.read_collective_records(run_dir, world_size)
 
 
 def _supervise(

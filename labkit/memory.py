@@ -42,8 +42,7 @@ from torch import nn
 
 from labkit import validate
 from labkit.activations import gpt_activations, korthikanti_activation_bytes
-from labkit.models import GPT, GPTConfig
-from labkit.parallel.tensor import check_tp_size
+from labkit.models import GPT, GPTConfig, check_tp_size
 
 __all__ = [
     "OPTIMIZERS",

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from labkit import validate
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "synthetic_batch"]
+__all__ = ["GPT", "PRESETS", "GPTConfig", "check_tp_size", "seeded_model", "synthetic_batch"]
 
 
 @dataclass
@@ -296,6 +296,36 @@ class GPT(nn.Module):
                 f"targets are the next tokens, one per input token"
             )
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_tp_size(config: GPTConfig, tp: int) -> int:
+    """`tp` if tensor parallelism of that size can split `config` (whole heads and k/v heads, an
+    even share of the MLP width on every rank), else ValueError naming the sizes that can."""
+    validate.positive_int("tp", tp, "tp=2")
+    allowed = _divisors(math.gcd(config.n_heads, config.kv_heads, config.ffn_dim))
+    for name, value, why in (
+        ("n_heads", config.n_heads, "each rank keeps whole attention heads"),
+        ("n_kv_heads", config.kv_heads, "each rank keeps whole key/value heads"),
+        ("ffn_dim", config.ffn_dim, "each rank keeps an equal share of the MLP width"),
+    ):
+        if value % tp:
+            raise ValueError(
+                f"tensor parallel size {tp} does not divide {name}={value} ({why}): "
+                f"use a tp that divides {value} ({allowed})"
+            )
+    return tp
+
+
+def seeded_model(config: GPTConfig, seed: int = 0, device: torch.device | str = "cpu", *,
+                 checkpointing: bool = False) -> GPT:
+    """`GPT(config)` with the weights `torch.manual_seed(seed)` gives, on `device`: every rank (and a
+    single-process reference) that makes it with the same seed starts from the same weights."""
+    torch.manual_seed(seed)
+    return GPT(config, checkpointing=checkpointing).to(device)
 
 
 def synthetic_batch(

@@ -12,7 +12,7 @@
 `simulate(schedule, p, m, v)` runs those orders against their dependencies (a forward needs the previous
 stage's forward of the same micro-batch; a backward the next stage's backward, and its own forward), a
 forward costing 1/v and a backward 2/v of a stage's work, and returns each rank's spans, the step, the
-bubble and the most micro-batch activations each rank holds at once: what `labkit.pipeline.bubble_fraction`
+bubble and the most micro-batch activations each rank holds at once: what `labkit.pipeline_plan.bubble_fraction`
 and `in_flight` say, derived by running the schedule. `labkit.widgets.pipeline_explorer` draws it.
 """
 

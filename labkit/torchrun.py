@@ -8,7 +8,7 @@ torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
   checking that the node has a GPU for every local rank;
 * a `cluster=` it cannot honour is refused: the emulated cluster (links, virtual clock, memory budget)
   exists only for ranks that `launch` starts itself; a GPU cluster's `memory_gib` is applied as a memory
-  fraction above the warm process's baseline (`runtime.cap_above_baseline`), as `launch` does;
+  fraction above the warm process's baseline (`labkit.rank_setup`), as `launch` does;
 * a rank that raises still joins the gather, so every rank raises one `RankError` naming it at once, instead
   of the others waiting for a collective until the NCCL watchdog ends them;
 * NCCL's flight recorder dumps into `./nccl_dumps/` when a collective times out (unless its variables are set):
@@ -25,15 +25,15 @@ import os
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from labkit import flight_recorder, runtime
+from labkit import rank_setup
+from labkit.errors import RankError
+from labkit.worker import to_cpu
 
-__all__ = ["check_cluster", "external_ranks", "init_group", "run", "under_torchrun"]
+__all__ = ["check_cluster", "external_ranks", "run", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
@@ -66,37 +66,6 @@ def check_cluster(cluster: Any) -> None:
         )
 
 
-def init_group(timeout: timedelta, memory_gib: float | None = None) -> bool:
-    """Initialise the default group of a torchrun-started rank if it has none; True if created here."""
-    if dist.is_initialized():
-        return False
-    if not torch.cuda.is_available():
-        dist.init_process_group("gloo", timeout=timeout)
-        return True
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-    gpus = torch.cuda.device_count()
-    if local_world > gpus:
-        raise ValueError(
-            f"torchrun started {local_world} processes on this node, which has {gpus} visible GPU(s) "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one process per "
-            f"GPU, so --nproc-per-node {gpus}"
-        )
-    torch.cuda.set_device(local_rank)
-    if memory_gib:  # above what the warm process holds (cuBLAS workspaces), as for the ranks launch starts
-        runtime.cap_above_baseline(local_rank, memory_gib)
-    # The flight recorder, read at the group's creation: a hang leaves dumps (python -m labkit.flight_recorder)
-    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
-        (Path.cwd() / "nccl_dumps").mkdir(
-            exist_ok=True
-        )  # the writer opens <prefix><rank>, it makes no folder
-    for key, value in flight_recorder.env_for(Path.cwd() / "nccl_dumps").items():
-        os.environ.setdefault(key, value)
-    # CPU tensors go over gloo, CUDA tensors over NCCL (torch.distributed's per-device backends)
-    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
-    return True
-
-
 def run(
     fn: Callable[..., Any],
     args: tuple,
@@ -106,9 +75,6 @@ def run(
     cluster: Any = "auto",
 ) -> list[Any]:
     """Run `fn` on this torchrun rank and return every rank's result, in rank order (see the module docstring)."""
-    from labkit.launcher import RankError  # the launcher imports this module
-    from labkit.worker import to_cpu
-
     if world_size != int(os.environ["WORLD_SIZE"]):
         raise ValueError(
             f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
@@ -117,7 +83,7 @@ def run(
     check_cluster(cluster)
     # The group outlives this launch: a script's next launch reuses it. Destroying and re-creating it at once
     # raced in gloo's rendezvous (a rank read its peer's address from the old group: "Connection refused").
-    if init_group(timedelta(seconds=timeout_s), getattr(cluster, "memory_gib", None)):
+    if rank_setup.init_torchrun_rank(timedelta(seconds=timeout_s), getattr(cluster, "memory_gib", None)):
         atexit.register(_destroy)
     try:
         outcome: tuple[bool, Any] = (True, to_cpu(fn(*args, **kwargs)))

@@ -254,7 +254,7 @@ def memory_calculator(
 
 def pipeline_figure(p: int = 4, m: int = 8, schedule: str = "1f1b", v: int = 2):
     """The ideal schedule as a Gantt chart: simulated bubble next to the formula, activations in flight."""
-    from labkit.pipeline import bubble_fraction
+    from labkit.pipeline_plan import bubble_fraction
     from labkit.schedules import simulate
     from labkit.trace.plots import plot_pipeline
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import _torch_compat as compat
-from labkit import emulate, runtime
+from labkit import emulate, rank_setup, runtime
 from labkit.cluster import Cluster
 
 __all__ = ["main", "to_cpu"]
@@ -168,7 +168,7 @@ def main(
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        runtime.init_process_group(cluster, rank, world_size, store, timeout)
+        rank_setup.init_launched_rank(cluster, rank, world_size, store, timeout)
         fn, args, kwargs = cloudpickle.loads(payload)
         budget = cluster.is_emulated and cluster.memory_gib
         with (

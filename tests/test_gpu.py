@@ -127,7 +127,7 @@ def test_each_solution_notebook_on_the_gpus_there_are(nb, tmp_path):
     import papermill
     from test_labs import SMALL, _check_records
 
-    from labkit.course.records import read_records
+    from labkit.records import read_records
 
     need = NEEDS.get(nb.stem, 2)
     cluster = "gpu" if _gpus() >= need else "auto"

@@ -12,7 +12,7 @@ import papermill
 import pytest
 
 from labkit.course.notebooks import run_until_stub
-from labkit.course.records import read_records
+from labkit.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from labkit.course.records import LINE_PREFIX, RECORD_MIME, read_records, record
+from labkit.records import LINE_PREFIX, RECORD_MIME, read_records, record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def _notebook(*sources: str) -> nbformat.NotebookNode:
 
 def test_records_round_trip_through_an_executed_notebook(tmp_path: Path, kernel_sees_labkit: None) -> None:
     nb = _notebook(
-        "from labkit.course.records import record",
+        "from labkit.records import record",
         "record('before', 812.5)\nrecord('unit', 'ms')",
         "record('after', 2)\nrecord('after', 3)  # the last value wins",
         "record('shape', (2, 3))\nrecord('extra', {'ranks': 2, 'ok': True, 'none': None})",

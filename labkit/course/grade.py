@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import re
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import nbformat
 
+from labkit.course.execute import execute
 from labkit.course.notebooks import is_stub_error
 
 __all__ = ["LabGrade", "grade_folder", "grade_notebook", "table", "write_csv"]
@@ -54,37 +54,20 @@ def _status(cell: nbformat.NotebookNode) -> str:
     return f"fail: {ename}: {first[:300]}"
 
 
-def grade_notebook(
-    path: Path, learner: str, parameters: Mapping[str, Any] | None = None, timeout_s: float = 600
-) -> LabGrade:
+def grade_notebook(path: Path, learner: str, parameters: Mapping[str, Any] | None = None,
+                   timeout_s: float = 600) -> LabGrade:
     """Execute one learner's notebook (all cells, errors allowed) and read back its check cells."""
-    import papermill
-
     grade = LabGrade(learner, path.stem)
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-        out = Path(tmp) / path.name
-        try:
-            papermill.execute_notebook(
-                str(path),
-                str(out),
-                parameters=dict(parameters or {}),
-                cwd=tmp,
-                execution_timeout=timeout_s,
-                progress_bar=False,
-                allow_errors=True,
-                extra_arguments=["--IPKernelApp.log_level=ERROR"],
-            )  # as labkit run
-        except papermill.PapermillExecutionError:
-            pass  # the cells' errors are read back below
-        except Exception as exc:  # a cell over the time limit, a kernel that died
-            grade.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        ran = out.exists()  # papermill writes the executed copy as it goes, unless the kernel never started
-        executed = nbformat.read(out if ran else path, as_version=4)
+        run = execute(path, Path(tmp) / path.name, parameters=parameters, cwd=tmp, cell_timeout=timeout_s,
+                      allow_errors=True)
+        if not run.ok and not run.source:  # a cell over the time limit, a kernel that died
+            grade.error = run.error
+        executed = nbformat.read(run.notebook if run.ran else path, as_version=4)
     for cell in executed.cells:
         if cell.cell_type == "code" and (m := _CHECK.search(cell.source)) and "def check_" not in cell.source:
-            grade.checks.append((m.group(0)[:-1], _status(cell) if ran else "not run"))
-    grade.seconds = time.perf_counter() - t0
+            grade.checks.append((m.group(0)[:-1], _status(cell) if run.ran else "not run"))
+    grade.seconds = run.seconds
     return grade
 
 

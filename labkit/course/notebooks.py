@@ -28,13 +28,16 @@ from typing import Any
 
 import nbformat
 
+from labkit.course.execute import execute
+from labkit.course.parameters import PARAMETERS_TAG, parameters_source, with_parameters
+from labkit.experiments import registry
+
 BEGIN_SOLUTION = "### BEGIN SOLUTION"
 END_SOLUTION = "### END SOLUTION"
 HINT_PREFIX = "### HINT:"
 MD_BEGIN = "<!-- BEGIN SOLUTION -->"
 MD_END = "<!-- END SOLUTION -->"
 SOLUTION_ONLY_TAG = "solution-only"
-PARAMETERS_TAG = "parameters"
 STUB_PREFIX = "Exercise:"
 DEFAULT_HINT = "complete this cell"
 
@@ -253,17 +256,29 @@ def lab_text(solution_path: str | Path) -> str:
     return notebook_text(make_lab(_read(solution_path), solution_path.name))
 
 
+def solution_text(solution_path: str | Path) -> str:
+    """The solution notebook's file text with its parameters cell written from its lab's `Params`
+    (`labkit.course.parameters`); the file's own text for a notebook that is not a course lab."""
+    path = Path(solution_path)
+    nb = _read(path)
+    if path.stem in registry.LABS:
+        with_parameters(nb, parameters_source(registry.params_of(path.stem), registry.LABS[path.stem]))
+    return notebook_text(nb)
+
+
 def build(solutions_dir: str | Path, labs_dir: str | Path) -> list[Path]:
-    """Generate ``labs_dir/<name>.ipynb`` for each solution notebook; return the files (re)written.
+    """Write each solution notebook's parameters cell from its lab's `Params`, then generate
+    ``labs_dir/<name>.ipynb`` from it; return the files (re)written.
 
     Files already up to date are left alone. Lab notebooks without a solution are not
     deleted (``check`` reports them).
     """
     solutions = list_notebooks(solutions_dir)
+    refreshed = {path: solution_text(path) for path in solutions}
+    written = [path for path, text in refreshed.items() if _write_if_changed(path, text)]
     texts = {path.name: lab_text(path) for path in solutions}  # fail before writing anything
     labs_dir = Path(labs_dir)
     labs_dir.mkdir(parents=True, exist_ok=True)
-    written = []
     for name, text in texts.items():
         target = labs_dir / name
         if _write_if_changed(target, text):
@@ -280,6 +295,10 @@ def check(solutions_dir: str | Path, labs_dir: str | Path) -> list[str]:
         names.add(path.name)
         target = labs_dir / path.name
         try:
+            if path.read_bytes() != solution_text(path).encode("utf-8"):
+                problems.append(
+                    f"stale: {path}'s parameters cell differs from its lab's Params (run `labkit build`)"
+                )
             text = lab_text(path)
         except ValueError as exc:
             problems.append(f"cannot build {path}: {exc}")
@@ -353,41 +372,27 @@ def run_until_stub(
     output_path: str | Path | None = None,
     cwd: str | Path | None = None,
 ) -> tuple[bool, str]:
-    """Execute a lab with papermill; pass iff its first error is an exercise stub.
+    """Execute a lab with papermill (`labkit.course.execute`); pass iff its first error is an exercise stub.
 
     ``timeout`` is the per-cell limit in seconds. The executed copy goes to ``output_path``
     (default: a temporary file) and runs in ``cwd`` (default: the executed copy's folder).
     A notebook without any stub passes iff it runs to the end. Returns ``(ok, message)``.
     """
-    import papermill
-    from papermill.exceptions import PapermillExecutionError
-
     path = Path(path)
-    nb = _read(path)
-    stubs = _stub_cells(nb)
+    stubs = _stub_cells(_read(path))
     with tempfile.TemporaryDirectory(prefix="labkit-run-") as tmp:
         out = Path(output_path) if output_path is not None else Path(tmp) / path.name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        workdir = Path(cwd) if cwd is not None else out.parent
-        try:
-            papermill.execute_notebook(
-                str(path),
-                str(out),
-                parameters=dict(parameters or {}),
-                execution_timeout=timeout,
-                progress_bar=False,
-                cwd=str(workdir),
-            )
-        except PapermillExecutionError as exc:
-            where = _describe_cell(nb, exc.source)
-            if is_stub_error(exc.ename, exc.evalue, exc.traceback):
-                return True, f"{path.name}: reached the exercise stub in {where}: {exc.evalue}"
-            return False, (
-                f"{path.name}: {where} raised {exc.ename}: {exc.evalue} "
-                "before any exercise stub; everything before the first stub must run"
-            )
-        except Exception as exc:  # cell timeout, dead kernel, missing kernel
-            return False, f"{path.name}: execution failed: {type(exc).__name__}: {exc}"
+        run = execute(path, out, parameters=parameters, cwd=cwd, cell_timeout=timeout)
+    if not run.ok and not run.source:  # cell timeout, dead kernel, missing kernel
+        return False, f"{path.name}: execution failed: {run.error}"
+    if not run.ok:
+        where = _describe_cell(_read(path), run.source)
+        if is_stub_error(run.ename, run.evalue, run.traceback):
+            return True, f"{path.name}: reached the exercise stub in {where}: {run.evalue}"
+        return False, (
+            f"{path.name}: {where} raised {run.ename}: {run.evalue} "
+            "before any exercise stub; everything before the first stub must run"
+        )
     if stubs:
         return False, (
             f"{path.name}: ran to the end without reaching an exercise stub (stubs in cells "

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from labkit.course.records import read_records
+from labkit.records import read_records
 
 HEADLINE_KEYS = ("metric", "before", "after", "limit", "unit")
 

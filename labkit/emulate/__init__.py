@@ -26,7 +26,7 @@ from labkit.emulate.process_group import (
     topology_to_env,
     wait_at_end_of_backward,
 )
-from labkit.emulate.record import CollectiveRecord, diagnose_hang, read_records
+from labkit.emulate.record import CollectiveRecord, diagnose_hang, read_collective_records
 
 __all__ = [
     "BACKEND_NAME",
@@ -42,7 +42,7 @@ __all__ = [
     "close_groups",
     "diagnose_hang",
     "rank_clock",
-    "read_records",
+    "read_collective_records",
     "register_backend",
     "topology_from_env",
     "topology_to_env",

@@ -3,7 +3,7 @@
 `MemoryBudget` is a TorchDispatchMode that counts the bytes of live tensor storages on a
 rank and raises `torch.OutOfMemoryError` when an allocation would go over the budget, with
 a message shaped like the CUDA caching allocator's. `labkit.launch` turns it on for a
-cluster made with `Cluster.emulated(memory_gib=...)`; `labkit.runtime.memory_allocated`
+cluster made with `Cluster.emulated(memory_gib=...)`; `labkit.device_memory.memory_allocated`
 and friends read it. By default it counts tensor bytes only: no allocator rounding or segments.
 With `allocator="caching"` (or "expandable", or a `CachingAllocator` of `allocator.py`) every
 counted storage is also malloc'ed from that model of CUDA's caching allocator, whose OOM (with

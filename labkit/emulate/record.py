@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CollectiveRecord", "diagnose_hang", "read_records"]
+__all__ = ["CollectiveRecord", "diagnose_hang", "read_collective_records"]
 
 
 class CollectiveRecord:
@@ -96,7 +96,7 @@ class CollectiveRecord:
             return None
 
 
-def read_records(run_dir: Path, world_size: int) -> dict[int, dict]:
+def read_collective_records(run_dir: Path, world_size: int) -> dict[int, dict]:
     """Each rank's collective record, from the files the emulated process group keeps."""
     records = {}
     for r in range(world_size):

@@ -12,68 +12,66 @@ None and the records say why.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, replace
 
 from labkit.bandwidth import bandwidth_test
 from labkit.cluster import Cluster
-from labkit.experiments.script import Where, run_lab
+from labkit.experiments.params import LabParams, param
+from labkit.experiments.script import LabRecords, Meaning, Where, run_lab
+from labkit.gpu_links import LIMIT_MEANING
 
-__all__ = ["DEFAULTS", "headline", "main"]
-
-DEFAULTS: dict[str, Any] = {"sizes_kib": [4, 64, 1024, 4096], "iters": 20, "timeout_s": 60}
+__all__ = ["Params", "headline"]
 
 
-def headline(w: Where, sizes_kib: list[float], iters: int, timeout_s: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Params(LabParams):
+    """Lab 00's parameters."""
+
+    world_size: int = param(2, "ranks (processes), one per GPU or emulated GPU; a collective needs two",
+                            minimum=2)
+    sizes_kib: list[float] | None = param(None, "message sizes (KiB) for the bandwidth sweep; None: 4 KiB-4 MiB "
+                                                "emulated, 4 KiB-1 GiB on GPUs", minimum=0, strict=True,
+                                          example=[4, 64, 1024])
+    iters: int = param(20, "collectives launched back to back per size, as nccl-tests does (the mean is kept)",
+                       minimum=1)
+    timeout_s: float = param(60, "every collective must finish within this many seconds", minimum=0, strict=True)
+
+    LAB = "00_cluster_tour"
+    TEST = {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 20}
+    SMOKE = {"sizes_kib": [4, 64], "iters": 3}
+
+    def resolve(self, *, on_gpu: bool = False) -> Params:
+        if self.sizes_kib is not None:
+            return self
+        # nccl-tests sweeps to 1 GiB and beyond: NVLink reaches its peak only at large messages
+        return replace(self, sizes_kib=[4 * 4**i for i in range(10)] if on_gpu else [4, 64, 1024, 4096])
+
+
+def headline(w: Where, p: Params) -> LabRecords:
     """Lab 00's records: bus bandwidth of the smallest and largest message, against the link's bandwidth."""
-    if w.world_size < 2:
-        raise ValueError(
-            f"world_size={w.world_size}: a collective needs two or more ranks (the bus bandwidth of one "
-            "rank is 0 by definition); use --world-size 2, or torchrun --nproc-per-node 2"
-        )
-    sizes = [int(k * 1024) for k in sizes_kib]
-    rows = w.launch(bandwidth_test, sizes, iters=iters, timeout_s=timeout_s)[0]
+    sizes = [int(k * 1024) for k in p.sizes_kib]
+    rows = w.launch(bandwidth_test, sizes, iters=p.iters, timeout_s=p.timeout_s)[0]
     if w.emulated:
         assert isinstance(w.cluster, Cluster)
-        limit, why = (
-            w.cluster.topology().slowest_link(list(range(w.world_size))).bandwidth_gb_s,
-            "the emulated link's β",
-        )
+        limit = w.cluster.topology().slowest_link(list(range(w.world_size))).bandwidth_gb_s
+        why = "the emulated link's β"
     elif w.on_gpu and w.nodes == 1:
-        from labkit.gpu_links import LIMIT_MEANING
-
-        link = (
-            w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()
-        ).intra_node  # torchrun: detect
+        link = (w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()).intra_node  # torchrun: detect
         limit, why = link.bandwidth_gb_s, f"{link.name}: {LIMIT_MEANING}"
     else:
         limit = None
-        why = (
-            "none known: gloo over this host's loopback (torchrun on CPUs) has no published link figure"
-            if not w.on_gpu
-            else "none known here: across nodes the slowest link is the network, which this script cannot read"
-        )
-    return {
-        "before": rows[0]["busbw_GBps"],
-        "after": rows[-1]["busbw_GBps"],
-        "limit": limit,
-        "unit": "GB/s (bus bandwidth)",
-        "meaning": {
-            "before": f"all_reduce bus bandwidth of the smallest message ({rows[0]['size_bytes']} bytes)",
-            "after": f"bus bandwidth of the largest message ({rows[-1]['size_bytes']} bytes)",
-            "limit": f"the link's bandwidth, which no message size beats: {why}",
-        },
-        "metric": "all_reduce bus bandwidth: smallest vs largest message",
-        "sweep": rows,
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_lab("00_cluster_tour", headline, DEFAULTS, argv)
+        why = ("none known: gloo over this host's loopback (torchrun on CPUs) has no published link figure"
+               if not w.on_gpu else
+               "none known here: across nodes the slowest link is the network, which this script cannot read")
+    return LabRecords(
+        rows[0]["busbw_GBps"], rows[-1]["busbw_GBps"], limit, "GB/s (bus bandwidth)",
+        Meaning(before=f"all_reduce bus bandwidth of the smallest message ({rows[0]['size_bytes']} bytes)",
+                after=f"bus bandwidth of the largest message ({rows[-1]['size_bytes']} bytes)",
+                limit=f"the link's bandwidth, which no message size beats: {why}"),
+        "all_reduce bus bandwidth: smallest vs largest message",
+        {"sweep": rows},
+    )
 
 
 if __name__ == "__main__":
-    from labkit.experiments import (
-        cluster_tour,
-    )  # by its own name, so launch pickles its functions by reference
-
-    raise SystemExit(cluster_tour.main())
+    raise SystemExit(run_lab(__spec__.name))

@@ -12,7 +12,7 @@ caching allocator's free memory in holes too small for the next request:
    segment is entirely free to give back: `torch.OutOfMemoryError`.
 
 On a GPU it runs on CUDA's allocator, capped at `limit_mib` above what the process already holds
-(`set_per_process_memory_fraction`); on the CPU, inside a `MemoryBudget` with the allocator model of
+(`labkit.device_memory.memory_limit`); on the CPU, inside a `MemoryBudget` with the allocator model of
 `labkit.emulate.allocator`. The fixes are the allocator options of PYTORCH_CUDA_ALLOC_CONF
 (`expandable_segments:True`, `max_split_size_mb`); `empty_cache()` is shown not to help. Each run
 returns the allocator's numbers (net of what the process held before) and its segments.
@@ -26,15 +26,15 @@ from typing import Any
 import torch
 
 from labkit import _torch_compat as compat
-from labkit import runtime, validate
+from labkit import device_memory, runtime, validate
 from labkit.emulate import CachingAllocator, MemoryBudget
 
-__all__ = ["FIXES", "fragment"]
+__all__ = ["ALLOCATOR_FIXES", "fragment"]
 
 MiB = 2**20
 # fix -> what it changes (PYTORCH_CUDA_ALLOC_CONF options from the PyTorch docs, "Optimizing memory usage
 # with PYTORCH_CUDA_ALLOC_CONF").
-FIXES = {
+ALLOCATOR_FIXES = {
     None: "as written",
     "empty_cache": "torch.cuda.empty_cache() first",
     "expandable_segments": "expandable_segments:True",
@@ -117,21 +117,19 @@ def _on_gpu(limit_mib: int, fix: str | None, device: torch.device) -> dict[str, 
     torch.cuda.empty_cache()
     # what this process already holds (cuBLAS workspaces, earlier cells' tensors): not the pattern's
     base, base_allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    total = torch.cuda.get_device_properties(device).total_memory
     if fix in settings:
         compat.set_cuda_allocator_settings(settings[fix])
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + limit_mib * MiB) / total), device)
     try:
-        kept, oom = _pattern(fix, device, torch.cuda.empty_cache)
-        segments = [s for s in _cuda_segments() if s["pool"] == "large"]
-        result = _stats(
-            torch.cuda.memory_allocated(device) - base_allocated,
-            torch.cuda.memory_reserved(device) - base,
-            segments,
-        )
-        del kept
+        with device_memory.memory_limit(limit_mib * MiB, device=device):
+            kept, oom = _pattern(fix, device, torch.cuda.empty_cache)
+            segments = [s for s in _cuda_segments() if s["pool"] == "large"]
+            result = _stats(
+                torch.cuda.memory_allocated(device) - base_allocated,
+                torch.cuda.memory_reserved(device) - base,
+                segments,
+            )
+            del kept
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
         if fix in settings:
             # back to the defaults; max_split_size has no "unlimited" word: the largest value is (c10's
             # parseMaxSplitSize clamps to SIZE_MAX / MiB)
@@ -146,15 +144,15 @@ def _on_gpu(limit_mib: int, fix: str | None, device: torch.device) -> dict[str, 
 def fragment(
     limit_mib: int = 180, fix: str | None = None, *, device: torch.device | str | None = None
 ) -> dict[str, Any]:
-    """Run the fragmenting pattern under `limit_mib` of memory, with one of `FIXES`.
+    """Run the fragmenting pattern under `limit_mib` of memory, with one of `ALLOCATOR_FIXES`.
 
     Returns {"oom": the error message or None, "allocated_mib", "reserved_mib", "free_cached_mib",
     "largest_free_block_mib" (after the pattern, or at the failure), "segments" (per segment: size
     and blocks as (offset, size, allocated)), "fix", "what" (the fix in words), "measured_by"}.
     At the default 180 MiB the pattern as written fails with 80 MiB free in 20 MiB holes.
     """
-    validate.one_of("fragment fix", fix, tuple(FIXES), 'fragment(180, fix="expandable_segments")')
+    validate.one_of("fragment fix", fix, tuple(ALLOCATOR_FIXES), 'fragment(180, fix="expandable_segments")')
     validate.positive_int("fragment limit_mib", limit_mib, "fragment(180)")
     dev = torch.device(device) if device is not None else runtime.device()
     result = _on_gpu(limit_mib, fix, dev) if dev.type == "cuda" else _on_cpu(limit_mib, fix)
-    return {**result, "fix": fix, "what": FIXES[fix]}
+    return {**result, "fix": fix, "what": ALLOCATOR_FIXES[fix]}

@@ -4,30 +4,31 @@
 for each plan (a split, a micro-batch count, a schedule) it builds the same seeded GPT everywhere, keeps
 this rank's stages of the split (`labkit.parallel.pipeline`), and runs `torch.distributed.pipelining`
 steps (GPipe, 1F1B or interleaved 1F1B) with SGD, the plans taking turns step by step; it records per step the step time, the time this rank waited, each forward and backward of each
-micro-batch (start and end on `labkit.runtime.clock`: the virtual device clock on the emulated cluster),
+micro-batch (start and end on `labkit.timer.clock`: the virtual device clock on the emulated cluster),
 and the bytes it sent. It can check the first step's gradients and loss against one process running
 the whole batch, and measure the peak memory a step adds (activations in flight) on this rank.
 `summarize_pipeline` combines the ranks: step time, busy and idle time per rank, the bubble next to
 its formula, the imbalance, and the ideal pipeline's time for the same work (the limit).
-`layer_costs` measures what each layer costs (`labkit.pipeline.profile_layers`) on one rank.
+`layer_costs` measures what each layer costs (`labkit.layer_profile.profile_layers`) on one rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from labkit import emulate, runtime, validate
-from labkit.experiments.common import seeded_model
-from labkit.experiments.script import Where, run_lab
-from labkit.models import GPTConfig, synthetic_batch
+from labkit import device_memory, runtime, timer, validate
+from labkit.experiments.params import LabParams, ParamError, param
+from labkit.experiments.script import LabRecords, Meaning, Where, run_lab
+from labkit.layer_profile import LayerProfile, profile_layers
+from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.pipeline import (
+    StageLog,
     clock_stages,
     even_split,
     gpt_loss,
@@ -35,26 +36,33 @@ from labkit.parallel.pipeline import (
     make_schedule,
     pipeline_stages,
 )
-from labkit.pipeline import (
-    LayerProfile,
-    balance,
-    bubble_fraction,
-    choose_micro_batches,
-    ideal_step_time,
-    profile_layers,
-)
+from labkit.pipeline_plan import SCHEDULES, balance, bubble_fraction, choose_micro_batches, ideal_step_time
+from labkit.timer import Mark
 
 __all__ = [
-    "DEFAULTS",
+    "Params",
+    "PipelinePlan",
     "PipelineRankResult",
     "PipelineSummary",
-    "Plan",
     "headline",
     "layer_costs",
-    "main",
     "pipeline_steps",
     "summarize_pipeline",
 ]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One way to run the pipeline: layers per stage over (embedding, blocks, head), the micro-batch count and
+    the schedule ("gpipe", "1f1b" or "interleaved_1f1b": then v stages per rank)."""
+
+    sizes: tuple[int, ...] | list[int]
+    micro_batches: int
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        validate.positive_int("micro_batches", self.micro_batches, "PipelinePlan(sizes, micro_batches=8)")
+        validate.one_of("schedule", self.schedule, SCHEDULES, 'PipelinePlan(sizes, 8, "1f1b")')
 
 
 @dataclass
@@ -66,7 +74,7 @@ class PipelineRankResult:
     layers: list[list[str]]  # per stage held
     schedule: str
     micro_batches: int
-    step_ms: list[float]  # each measured step: schedule.step from a common start (after a barrier)
+    steps_ms: list[float]  # each measured step: schedule.step from a common start (after a barrier)
     waited_ms: list[float | None]  # of it, waiting for transfers (virtual clock only)
     spans: list[tuple[str, int, int, float, float]]  # (kind "F"/"B", stage, micro-batch, start, end)
     sent_bytes: int  # point-to-point, per step
@@ -79,17 +87,17 @@ class PipelineRankResult:
     def busy_ms(self) -> list[float]:
         """Per step, time this rank computed: step less waiting on the virtual clock, else its spans."""
         span_ms = sum(e - s for _, _, _, s, e in self.spans)
-        return [ms - w if w is not None else span_ms for ms, w in zip(self.step_ms, self.waited_ms)]
+        return [ms - w if w is not None else span_ms for ms, w in zip(self.steps_ms, self.waited_ms)]
 
 
-def _timed_loss(spans: list, stage_index: int) -> Callable:
+def _timed_loss(log: StageLog, stage_index: int) -> Callable:
     """The GPT loss on the last stage, its time added to the forward span of the same micro-batch."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        t0 = runtime.clock()
+        start = Mark()
         out = gpt_loss(logits, targets)
-        mb = sum(1 for k, s, *_ in spans if k == "L" and s == stage_index)
-        spans.append(("L", stage_index, mb, t0, runtime.clock()))
+        mb = sum(1 for k, s, *_ in log.spans if k == "L" and s == stage_index)
+        log.spans.append(("L", stage_index, mb, start, Mark()))
         return out
 
     return loss
@@ -128,60 +136,42 @@ def _reference_errors(
     return error, loss_error
 
 
-def _peak_of(step: Callable[[], None]) -> int:
-    """Bytes a step adds at its peak, from `labkit.runtime`'s memory stats: CUDA's allocator on a GPU; on the
-    CPU an emulated budget opened for the step, which counts the tensors made inside it (the step's own)."""
-    with contextlib.nullcontext() if runtime.on_gpu() else emulate.MemoryBudget(2**50):
-        runtime.synchronize()
-        base = runtime.memory_allocated()
-        runtime.reset_peak_memory_stats()
-        step()
-        runtime.synchronize()
-        return runtime.max_memory_allocated() - base
-
-
-Plan = tuple[Sequence[int], int, str]  # (layers per stage, micro-batches, schedule)
-
-
 class _Pipeline:
     """One plan on this rank: its own seeded model, stages, schedule, optimizer and what it measured."""
 
     def __init__(
         self,
         config: GPTConfig,
-        plan: Plan,
-        batch_size: int,
+        plan: PipelinePlan,
+        global_batch: int,
         lr: float,
         seed: int,
-        group: dist.ProcessGroup | None,
+        process_group: dist.ProcessGroup | None,
     ) -> None:
-        sizes, micro_batches, schedule = plan
-        validate.positive_int("micro_batches", micro_batches, "pipeline_steps(config, [(sizes, 8, '1f1b')])")
-        if batch_size % micro_batches:
+        if global_batch % plan.micro_batches:
+            m = plan.micro_batches
             raise ValueError(
-                f"batch_size={batch_size} must divide into micro_batches={micro_batches} equal "
-                f"micro-batches; e.g. batch_size={micro_batches * max(1, batch_size // micro_batches)}"
+                f"global_batch={global_batch} must divide into micro_batches={m} equal "
+                f"micro-batches; e.g. global_batch={m * max(1, global_batch // m)}"
             )
-        self.config, self.batch_size, self.seed, self.group = config, batch_size, seed, group
+        self.config, self.global_batch, self.seed, self.group = config, global_batch, seed, process_group
         self.dev = runtime.device()
         self.model = seeded_model(config, seed, self.dev)
-        self.stages = pipeline_stages(self.model, sizes, group, self.dev)
-        self.spans: list = []
-        self.sent = [0, 0]
-        clock_stages(self.stages, self.spans, self.sent)
+        self.stages = pipeline_stages(self.model, list(plan.sizes), process_group, self.dev)
+        self.log = clock_stages(self.stages)
         last = [st for st in self.stages if st.is_last]
-        loss = _timed_loss(self.spans, last[0].stage_index) if last else gpt_loss
-        self.schedule = make_schedule(self.stages, schedule, micro_batches, loss)
+        loss = _timed_loss(self.log, last[0].stage_index) if last else gpt_loss
+        self.schedule = make_schedule(self.stages, plan.schedule, plan.micro_batches, loss)
         self.opt = torch.optim.SGD([p for st in self.stages for p in st.submod.parameters()], lr=lr)
         names = layer_names(config)
-        starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        starts = [sum(plan.sizes[:k]) for k in range(len(plan.sizes) + 1)]
         cluster = runtime.current_cluster()
         self.result = PipelineRankResult(
-            dist.get_rank(group),
+            dist.get_rank(process_group),
             [st.stage_index for st in self.stages],
             [names[starts[k] : starts[k + 1]] for k in (st.stage_index for st in self.stages)],
-            schedule,
-            micro_batches,
+            plan.schedule,
+            plan.micro_batches,
             [],
             [],
             [],
@@ -191,7 +181,7 @@ class _Pipeline:
         )
 
     def forward_backward(self, step: int) -> list:
-        x, y = synthetic_batch(self.config, self.batch_size, seed=self.seed, step=step, device=self.dev)
+        x, y = synthetic_batch(self.config, self.global_batch, seed=self.seed, step=step, device=self.dev)
         losses: list = []
         self.opt.zero_grad(set_to_none=False)
         # return_outputs=False: merging every micro-batch's logits into one tensor is not training work
@@ -205,35 +195,33 @@ class _Pipeline:
         return losses
 
     def timed_step(self, step: int, measured: bool, check: bool) -> None:
-        self.spans.clear()
-        self.sent[0] = self.sent[1] = 0
+        self.log.clear()
         dist.barrier(group=self.group)  # a common start: the pipeline's step time is its last rank's end
-        w0 = emulate.rank_clock().waited() if runtime.on_virtual_clock() else None
-        t0 = runtime.clock()
+        w0 = timer.waited()
+        start = Mark()
         losses = self.forward_backward(step)
-        ms = (runtime.clock() - t0) * 1e3
-        waited = (emulate.rank_clock().waited() - w0) * 1e3 if w0 is not None else None
+        ms = Mark().ms_since(start)
+        waited = (timer.waited() - w0) * 1e3 if w0 is not None else None
         r = self.result
         if check and step == 0:
-            x, y = synthetic_batch(self.config, self.batch_size, seed=self.seed, step=0)
+            x, y = synthetic_batch(self.config, self.global_batch, seed=self.seed, step=0)
             r.grad_error, r.loss_error = _reference_errors(
                 self.config, self.seed, x, y, self.model, self.stages, losses
             )
         self.opt.step()
         if measured:
-            r.step_ms.append(ms)
+            r.steps_ms.append(ms)
             r.waited_ms.append(waited)
-            r.spans = [
-                (k, s, mb, (a - t0) * 1e3, (b - t0) * 1e3) for k, s, mb, a, b in _merge_loss(self.spans)
-            ]
-            r.sends, r.sent_bytes = self.sent[0], self.sent[1]
+            spans = [(k, st, mb, a.ms_since(start), b.ms_since(start)) for k, st, mb, a, b in self.log.spans]
+            r.spans = _merge_loss(spans)
+            r.sends, r.sent_bytes = self.log.sends, self.log.sent_bytes
 
 
 def pipeline_steps(
     config: GPTConfig,
-    plans: Sequence[Plan],
+    plans: Sequence[PipelinePlan],
     *,
-    batch_size: int = 16,
+    global_batch: int = 16,
     steps: int = 3,
     warmup: int = 1,
     lr: float = 0.1,
@@ -244,26 +232,26 @@ def pipeline_steps(
 ) -> list[PipelineRankResult]:
     """Train pipeline steps of `GPT(config)` under each plan, interleaved step by step; every rank calls it.
 
-    A plan is `(sizes, micro_batches, schedule)`: layers per stage over (embedding, blocks, head), one
-    stage per rank, or v per rank for "interleaved_1f1b". Each plan trains its own copy of the same seeded
-    model with SGD; step s of every plan trains on `synthetic_batch(config, batch_size, seed=seed, step=s)`
-    cut into equal micro-batches. The plans take turns step by step, so a slow moment of the machine hits
-    all of them rather than one. `check`: compare each plan's first step with one process on the whole
-    batch. `measure_memory`: one more step per plan, measured for the peak memory it adds.
-    Returns this rank's result for each plan, in order.
+    One stage per rank, or v per rank for "interleaved_1f1b". Each plan trains its own copy of the same seeded
+    model with SGD; step s of every plan trains on `synthetic_batch(config, global_batch, seed=seed, step=s)`
+    cut into equal micro-batches. The plans take turns step by step, so a slow moment of the machine hits all
+    of them rather than one. `check`: compare each plan's first step with one process on the whole batch.
+    `measure_memory`: one more step per plan, measured for the peak memory it adds
+    (`labkit.device_memory.step_peak`). Returns this rank's result for each plan, in order.
     """
     validate.positive_int("steps", steps, "pipeline_steps(..., steps=3)")
     validate.non_negative_int("warmup", warmup, "pipeline_steps(..., warmup=1)")
     if not plans:
-        raise ValueError("pipeline_steps needs at least one plan: [(sizes, micro_batches, schedule), ...]")
-    runs = [_Pipeline(config, plan, batch_size, lr, seed, process_group) for plan in plans]
+        raise ValueError("pipeline_steps needs at least one plan: [PipelinePlan(sizes, micro_batches), ...]")
+    runs = [_Pipeline(config, plan, global_batch, lr, seed, process_group) for plan in plans]
     for step in range(warmup + steps):
         for run in runs:
             run.timed_step(step, measured=step >= warmup, check=check)
     if measure_memory:
         for run in runs:
             dist.barrier(group=process_group)
-            run.result.peak_bytes = _peak_of(lambda: run.forward_backward(warmup + steps))
+            _, peak = device_memory.step_peak(lambda run=run: run.forward_backward(warmup + steps))
+            run.result.peak_bytes = peak.added_bytes
     return [run.result for run in runs]
 
 
@@ -279,7 +267,7 @@ class PipelineSummary:
     busy_ms: list[float]  # per rank
     idle_ms: list[float]  # per rank: step_ms - busy
     bubble: float  # measured: mean idle / step
-    bubble_formula: float  # labkit.pipeline.bubble_fraction
+    bubble_formula: float  # labkit.pipeline_plan.bubble_fraction
     imbalance: float  # max busy / mean busy
     limit_ms: float  # the same work on a perfectly balanced ideal pipeline
     peak_bytes: list[int | None]
@@ -290,7 +278,7 @@ class PipelineSummary:
     sent_bytes: list[int]
     sends: list[int]
     label: str = ""
-    steps: list[float] = field(default_factory=list)
+    steps_ms: list[float] = field(default_factory=list)  # each step: its slowest rank's end
 
     @property
     def ranks(self) -> int:
@@ -311,7 +299,7 @@ def summarize_pipeline(results: Sequence[PipelineRankResult]) -> PipelineSummary
     v = n_stages // p
     schedule = results[0].schedule
     busy_by_step = list(zip(*(r.busy_ms() for r in results)))  # [step][rank]
-    steps = [max(r.step_ms[i] for r in results) for i in range(len(busy_by_step))]
+    steps = [max(r.steps_ms[i] for r in results) for i in range(len(busy_by_step))]
 
     def limit_of(busy: Sequence[float]) -> float:
         # The ideal: every rank's work per micro-batch the mean, fill and drain (p-1)/v micro-batch slots.
@@ -357,7 +345,7 @@ def summarize_pipeline(results: Sequence[PipelineRankResult]) -> PipelineSummary
         sent_bytes=[r.sent_bytes for r in results],
         sends=[r.sends for r in results],
         label=results[0].label,
-        steps=steps,
+        steps_ms=steps,
     )
 
 
@@ -375,98 +363,140 @@ def layer_costs(
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
-DEFAULTS: dict[str, Any] = {
-    "world_size": 4,
-    "n_layers": 24,
-    "d_model": 64,
-    "vocab_size": 8192,
-    "seq_len": 64,
-    "batch_size": 32,
-    "few_micro_batches": 4,
-    "max_bubble": 0.3,
-    "activation_mib": 64,
-    "steps": 3,
-    "warmup": 1,
-    "timeout_s": 120,
-}
+
+@dataclass(frozen=True)
+class Params(LabParams):
+    """Lab 04's parameters."""
+
+    stages: int = param(4, "pipeline ranks p, one stage each (2 on a node with two GPUs)", minimum=2)
+    n_layers: int = param(24, "transformer blocks", minimum=1)
+    d_model: int = param(64, "width", minimum=4)
+    vocab_size: int = param(
+        8192, "a large vocabulary: the LM head (and the embedding's gradient) is heavy", minimum=2
+    )
+    seq_len: int = param(64, "tokens per sequence", minimum=2)
+    global_batch: int = param(
+        32, "sequences per step (the whole batch: no data parallelism in this lab)", minimum=1
+    )
+    few_micro_batches: int | None = param(
+        None, "micro-batches of the naive run (None: p, the fewest 1F1B accepts)", minimum=1, example=4
+    )
+    max_bubble: float = param(
+        0.3, "the bubble you are willing to pay, as a fraction of the step", minimum=0, strict=True
+    )
+    activation_mib: float = param(
+        64, "memory per rank for activations in flight (bounds the micro-batch count)", minimum=0, strict=True
+    )
+    steps: int = param(3, "timed steps per run (medians are reported)", minimum=1)
+    warmup: int = param(1, "untimed steps first", minimum=0)
+    interleaved: bool = param(True, "also run the interleaved 1F1B schedule (2 chunks per rank)")
+    timeout_s: float = param(
+        120, "every transfer must finish within this many seconds", minimum=0, strict=True
+    )
+
+    LAB = "04_imbalanced_pipeline"
+    RANKS = "stages"
+    TEST = {"cluster": "cpu", "steps": 2}
+    SMOKE = {"n_layers": 4, "d_model": 32, "vocab_size": 1024, "seq_len": 16, "global_batch": 8, "steps": 1}
+
+    def check(self) -> None:
+        self.check_multiple("d_model", 4, "the lab's GPT has 4 attention heads")
+        if self.n_layers < self.stages:
+            raise ParamError(
+                "n_layers",
+                self.n_layers,
+                f"at least stages={self.stages}",
+                self.stages,
+                why="every stage holds a block",
+            )
+
+    def resolve(self, *, on_gpu: bool = False) -> Params:
+        p = self if self.few_micro_batches is not None else replace(self, few_micro_batches=self.stages)
+        if p.few_micro_batches < p.stages:
+            raise ParamError(
+                "few_micro_batches",
+                p.few_micro_batches,
+                f"at least stages={p.stages}",
+                p.stages,
+                why="1F1B needs a micro-batch in flight on every stage",
+            )
+        if p.global_batch % p.few_micro_batches:
+            raise ParamError(
+                "global_batch",
+                p.global_batch,
+                f"a multiple of few_micro_batches={p.few_micro_batches}",
+                p.few_micro_batches * max(1, p.global_batch // p.few_micro_batches),
+            )
+        return p
+
+    def config(self) -> GPTConfig:
+        return GPTConfig(
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=4,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+        )
 
 
-def headline(
-    w: Where,
-    n_layers: int,
-    d_model: int,
-    vocab_size: int,
-    seq_len: int,
-    batch_size: int,
-    few_micro_batches: int,
-    max_bubble: float,
-    activation_mib: float,
-    steps: int,
-    warmup: int,
-    timeout_s: float,
-) -> dict[str, Any]:
+def headline(w: Where, p: Params) -> LabRecords:
     """Lab 04's records: 1F1B over one stage per rank, split by layer count with few micro-batches, then split by
-    measured layer cost (`labkit.pipeline.balance`) with the micro-batches the bubble and the activation memory
-    allow; the limit is the same work perfectly balanced, mean stage cost x (m + p - 1)."""
-    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=4, vocab_size=vocab_size, seq_len=seq_len)
+    measured layer cost (`labkit.pipeline_plan.balance`) with the micro-batches the bubble and the activation
+    memory allow; the limit is the same work perfectly balanced, mean stage cost x (m + p - 1)."""
+    config = p.config()
     stages = w.world_size
-    one = profile_layers(
-        seeded_model(config), *synthetic_batch(config, 1), repeats=1
-    )  # sizes only: the same anywhere
+    one = profile_layers(seeded_model(config), *synthetic_batch(config, 1), repeats=1)  # sizes only
     m = choose_micro_batches(
         stages,
-        batch_size,
-        max_bubble,
+        p.global_batch,
+        p.max_bubble,
         "1f1b",
-        memory_bytes=activation_mib * 2**20,
+        memory_bytes=p.activation_mib * 2**20,
         activation_bytes_per_sample=sum(layer.activation_bytes for layer in one) / stages,
     )
     # Every rank profiles (they share the machine as in the run); rank 0's costs, gathered, split on every rank.
-    costs = [layer.ms for layer in w.launch(layer_costs, config, batch_size // m, timeout_s=timeout_s)[0]]
+    costs = [
+        layer.ms for layer in w.launch(layer_costs, config, p.global_batch // m, timeout_s=p.timeout_s)[0]
+    ]
     naive, balanced = even_split(config, stages), balance(costs, stages)
+    plans = [PipelinePlan(naive, p.few_micro_batches), PipelinePlan(balanced, m)]
     per_rank = w.launch(
         pipeline_steps,
         config,
-        [(naive, few_micro_batches, "1f1b"), (balanced, m, "1f1b")],
-        batch_size=batch_size,
-        steps=steps,
-        warmup=warmup,
+        plans,
+        global_batch=p.global_batch,
+        steps=p.steps,
+        warmup=p.warmup,
         check=True,
-        timeout_s=timeout_s,
-        deadline_s=timeout_s * 4,
+        timeout_s=p.timeout_s,
+        deadline_s=p.timeout_s * 4,
     )
     before, after = (summarize_pipeline([rank[i] for rank in per_rank]) for i in range(2))
-    return {
-        "before": before.step_ms,
-        "after": after.step_ms,
-        "limit": after.limit_ms,
-        "unit": "ms",
-        "meaning": {
-            "before": f"1F1B step, {stages} stages split by layer count, {few_micro_batches} micro-batches",
-            "after": f"1F1B step, stages balanced by measured layer cost, {m} micro-batches",
-            "limit": "the same run's work perfectly balanced: mean stage cost per micro-batch x (m + p - 1)",
+    return LabRecords(
+        before.step_ms,
+        after.step_ms,
+        after.limit_ms,
+        "ms",
+        Meaning(
+            before=f"1F1B step, {stages} stages split by layer count, {p.few_micro_batches} micro-batches",
+            after=f"1F1B step, stages balanced by measured layer cost, {m} micro-batches",
+            limit="the same run's work perfectly balanced: mean stage cost per micro-batch x (m + p - 1)",
+        ),
+        "pipeline step time: split by layer count vs balanced by measured cost",
+        {
+            "sizes_before": naive,
+            "sizes_after": balanced,
+            "micro_batches": m,
+            "stage_ms_before": before.stage_ms,
+            "stage_ms_after": after.stage_ms,
+            "imbalance_before": before.imbalance,
+            "imbalance_after": after.imbalance,
+            "bubble_measured": after.bubble,
+            "bubble_formula": after.bubble_formula,
+            "max_abs_diff": max(before.grad_error, after.grad_error),
         },
-        "metric": "pipeline step time: split by layer count vs balanced by measured cost",
-        "sizes_before": naive,
-        "sizes_after": balanced,
-        "micro_batches": m,
-        "stage_ms_before": before.stage_ms,
-        "stage_ms_after": after.stage_ms,
-        "imbalance_before": before.imbalance,
-        "imbalance_after": after.imbalance,
-        "bubble_measured": after.bubble,
-        "bubble_formula": after.bubble_formula,
-        "max_abs_diff": max(before.grad_error, after.grad_error),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_lab("04_imbalanced_pipeline", headline, DEFAULTS, argv)
+    )
 
 
 if __name__ == "__main__":
-    from labkit.experiments import (
-        imbalanced_pipeline,
-    )  # by its own name, so launch pickles its functions by reference
-
-    raise SystemExit(imbalanced_pipeline.main())
+    raise SystemExit(run_lab(__spec__.name))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from labkit import runtime, validate
-from labkit.experiments.common import seeded_model
+from labkit.models import seeded_model
 from labkit.measured_memory import free_memory, measure
 from labkit.models import GPTConfig, synthetic_batch
 

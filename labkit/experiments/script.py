@@ -22,12 +22,13 @@ processes on one host, not a picture of GPUs).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,11 @@ import torch
 
 from labkit import torchrun
 from labkit.cluster import Cluster
-from labkit.course.records import record
+from labkit.errors import RankError
+from labkit.experiments.params import LabParams, ParamError
+from labkit.records import record
 
-__all__ = ["Where", "emulated_cluster", "run_lab", "where"]
+__all__ = ["LabRecords", "Meaning", "Where", "emulated_cluster", "run_lab", "where"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,40 @@ class Where:
     def rank(self) -> int:
         """This process's rank under torchrun (0 in a plain script: it is the parent of the ranks)."""
         return _rank()
+
+
+@dataclass(frozen=True)
+class Meaning:
+    """What a lab's three headline numbers are, in a sentence each."""
+
+    before: str
+    after: str
+    limit: str
+
+
+@dataclass(frozen=True)
+class LabRecords:
+    """A lab's records: the number before the fix, after it, the limit no fix beats (None where this machine has
+    no figure for it), their unit and meaning, the metric, and the extras that say why."""
+
+    before: float
+    after: float
+    limit: float | None
+    unit: str
+    meaning: Meaning
+    metric: str
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        head = {
+            "before": self.before,
+            "after": self.after,
+            "limit": self.limit,
+            "unit": self.unit,
+            "meaning": asdict(self.meaning),
+            "metric": self.metric,
+        }
+        return {**head, **self.extras}
 
 
 def _rank() -> int:
@@ -111,82 +148,89 @@ def emulated_cluster(w: Where, **options: Any) -> Where:
     )
 
 
-def _parse(
-    argv: list[str] | None, lab: str, defaults: dict[str, Any]
-) -> tuple[argparse.Namespace, dict[str, Any]]:
+def _parser(module: str, params: type[LabParams]) -> argparse.ArgumentParser:
+    docs, defaults = params.field_docs(), params.defaults()
+    width = max(len(f"{k} = {defaults[k]!r}") for k in docs)
+    fields = "\n".join(f"  {f'{k} = {defaults[k]!r}':<{width}}  {doc}" for k, doc in docs.items())
     p = argparse.ArgumentParser(
-        prog=f"python -m labkit.experiments.{lab.split('_', 1)[1]}",
-        description=f"Lab {lab}: measure the mistake and its fix, write the records.",
+        prog=f"python -m {module}",
+        description=f"Lab {params.LAB}: measure the mistake and its fix, write the records.",
+        epilog=f"parameters (--set KEY VALUE; values are JSON, a bare word is a string):\n{fields}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if params.RANKS:
+        p.add_argument(
+            "--world-size",
+            type=int,
+            default=None,
+            help=f"ranks to start (sets {params.RANKS}; under torchrun its WORLD_SIZE instead)",
+        )
+    p.add_argument("--cluster", default=None, help="auto, cpu (emulated) or gpu; under torchrun: auto or gpu")
     p.add_argument(
-        "--world-size",
-        type=int,
-        default=defaults.get("world_size", 2),
-        help="ranks to start (ignored under torchrun: its WORLD_SIZE)",
+        "--out", default=f"records_{params.LAB}.json", help="where rank 0 writes the records (JSON)"
     )
-    p.add_argument(
-        "--cluster", default="auto", help="auto, cpu (emulated) or gpu; under torchrun: auto or gpu"
-    )
-    p.add_argument("--out", default=f"records_{lab}.json", help="where rank 0 writes the records (JSON)")
     p.add_argument(
         "--set",
         nargs=2,
         action="append",
         metavar=("KEY", "VALUE"),
         default=[],
-        help="override a parameter (values are JSON); the defaults: "
-        + ", ".join(f"{k}={v!r}" for k, v in defaults.items() if k != "world_size"),
+        help="change a parameter (listed below)",
     )
-    args = p.parse_args(argv)
-    params = dict(defaults)
-    params.pop("world_size", None)
-    for key, raw in args.set:
-        if key not in params:
-            p.error(
-                f"--set {key}: not a parameter of lab {lab}; its parameters: "
-                + ", ".join(f"{k}={v!r}" for k, v in params.items())
-            )
-        try:
-            params[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key] = raw  # a bare word stays a string
-    return args, params
+    return p
 
 
-def run_lab(
-    lab: str, headline: Callable[..., dict[str, Any]], defaults: dict[str, Any], argv: list[str] | None = None
-) -> int:
-    """Parse the command line, run `headline(where, **params)`, print and write its records on rank 0."""
-    args, params = _parse(argv, lab, defaults)
-    talk = _rank() == 0
+def _refused(lab: str, err: Exception) -> int:
+    """A parameter the lab cannot run with: its message (value, constraint, fix) on every rank; exit 2."""
+    rank = f" (rank {_rank()})" if torchrun.under_torchrun() else ""
+    print(f"lab {lab}{rank}: {err}", file=sys.stderr, flush=True)
+    return 2
+
+
+def run_lab(module: str, argv: list[str] | None = None) -> int:
+    """Run lab `module`'s measurement as a script: parse the command line into its `Params`, run its
+    `headline(where, params)` and print and write the records on rank 0; exit status 2 (on every rank) for a
+    parameter it cannot run with. `module` is imported by its name, so that `launch` pickles its functions
+    by reference (under `python -m` the running copy is `__main__`)."""
+    lab = importlib.import_module(module)
+    params_class: type[LabParams] = lab.Params
+    name = params_class.LAB
+    args = _parser(module, params_class).parse_args(argv)
+    base = {} if args.cluster is None else {"cluster": args.cluster}
     t0 = time.perf_counter()
     try:
-        w = where(args.cluster, args.world_size)
-        if talk:
-            print(f"lab {lab}: {w.world_size} ranks ({w.label}); parameters {params}", flush=True)
-        records = headline(w, **params)
-    except ValueError as err:  # a parameter the lab cannot run with: the message has the value and the fix
-        if talk:
-            print(f"lab {lab}: {err}", file=sys.stderr, flush=True)
-        return 2
+        params = params_class.from_text(args.set, "set", base)
+        w = where(params.cluster, getattr(args, "world_size", None) or params.ranks or 2)
+        params = params.with_ranks(w.world_size).resolve(on_gpu=w.on_gpu)
+        if w.rank() == 0:
+            print(f"lab {name}: {w.world_size} ranks ({w.label}); parameters {params.as_dict()}", flush=True)
+        result: LabRecords = lab.headline(w, params)
+    except ParamError as err:
+        return _refused(name, err.in_form("set"))
+    except ValueError as err:  # the value, the constraint and the fix, from labkit's own checks
+        return _refused(name, err)
+    except RankError as err:
+        if err.exc_type not in ("ValueError", "ParamError"):
+            raise
+        return _refused(name, str(err).split("\n\n", 1)[0])
     records = {
-        **records,
-        "lab": lab,
+        **result.as_dict(),
+        "lab": name,
         "where": w.label,
         "emulated": w.emulated,
         "torchrun": w.torchrun,
         "world_size": w.world_size,
         "nodes": w.nodes,
-        "params": params,
+        "params": params.as_dict(),
     }
-    if talk:
+    if w.rank() == 0:
         for key, value in records.items():
             record(key, value)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(records, indent=1) + "\n")
         print(
-            f"lab {lab}: before {records['before']}, after {records['after']}, limit {records['limit']} "
+            f"lab {name}: before {records['before']}, after {records['after']}, limit {records['limit']} "
             f"{records['unit']} ({w.label}); {time.perf_counter() - t0:.1f} s; records in {out}",
             flush=True,
         )

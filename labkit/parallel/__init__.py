@@ -16,7 +16,7 @@ from labkit.parallel.data import (
 )
 from labkit.parallel.layout import Layout, RankGroups, make_groups
 from labkit.parallel.pipeline import GPTStage, even_split, layer_names, make_schedule, pipeline_stages
-from labkit.parallel.tensor import TensorParallelBlock, TPStats, check_tp_size, tensor_parallel
+from labkit.parallel.tensor import TensorParallelBlock, TPStats, tensor_parallel
 
 __all__ = [
     "GPTStage",
@@ -28,7 +28,6 @@ __all__ = [
     "accumulate_with_no_sync",
     "accumulate_without_no_sync",
     "allreduce_gradients_naive",
-    "check_tp_size",
     "even_split",
     "layer_names",
     "make_groups",

@@ -10,7 +10,7 @@ buckets of about 25 MB, in the order backward produces them (roughly the reverse
 forward order), and launch an asynchronous all-reduce on a bucket as soon as its last
 gradient is ready, while backward goes on computing the gradients of earlier layers.
 `OverlappedDDP` is that idea in about a hundred lines, with two small methods that the lab
-asks you to write: the gradient hook (`_on_grad_ready`) and the bucket flush (`_flush`).
+asks you to write: the gradient hook (`on_grad_ready`) and the bucket flush (`flush`).
 Every collective is logged in a `labkit.trace.CommLog`, so `labkit.trace.capture` can show
 when each one was issued and when it completed.
 
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from labkit import runtime, validate
@@ -43,6 +44,7 @@ __all__ = [
     "accumulate_with_no_sync",
     "accumulate_without_no_sync",
     "allreduce_gradients_naive",
+    "make_ddp",
 ]
 
 
@@ -84,7 +86,7 @@ def allreduce_gradients_naive(
 
 
 @dataclass
-class _Bucket:
+class Bucket:
     """Gradients reduced together: a flat buffer and where each parameter sits in it."""
 
     index: int
@@ -154,17 +156,17 @@ class OverlappedDDP(nn.Module):
         self.num_collectives = 0  # collectives launched in the last finished step
         self.launched_in_backward = 0  # of those, launched by hooks while backward ran
         self._launched = 0
-        self._next_bucket = 0  # the next bucket to launch; buckets go in order
+        self.next_bucket = 0  # the next bucket to launch; buckets go in order
         self._ready: set[int] = set()  # ids of parameters whose gradient is ready this step
-        self._require_sync = True
+        self.require_sync = True
 
         self._broadcast_from_rank0()
         self.buckets = self._assign_buckets()
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for b in self.buckets:
             b.pending = len(b.params)
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
+            p.register_post_accumulate_grad_hook(self.on_grad_ready) for b in self.buckets for p in b.params
         ]
 
     # -- setup -------------------------------------------------------------------
@@ -183,7 +185,7 @@ class OverlappedDDP(nn.Module):
                 if flat is not t.data:
                     t.data.copy_(flat)
 
-    def _assign_buckets(self) -> list[_Bucket]:
+    def _assign_buckets(self) -> list[Bucket]:
         """Trainable parameters, deduplicated by identity, reversed, cut into buckets."""
         names: dict[int, str] = {}
         params: list[nn.Parameter] = []
@@ -193,7 +195,7 @@ class OverlappedDDP(nn.Module):
                 params.append(p)
         params.reverse()  # gradients of the last layers are ready first
 
-        buckets: list[_Bucket] = []
+        buckets: list[Bucket] = []
         current: list[nn.Parameter] = []
         size = 0
         for p in params:
@@ -209,20 +211,20 @@ class OverlappedDDP(nn.Module):
         return buckets
 
     @staticmethod
-    def _make_bucket(index: int, params: list[nn.Parameter], names: dict[int, str]) -> _Bucket:
+    def _make_bucket(index: int, params: list[nn.Parameter], names: dict[int, str]) -> Bucket:
         offsets, numel = [], 0
         for p in params:
             offsets.append(numel)
             numel += p.numel()
-        return _Bucket(index, list(params), offsets, numel, names=[names[id(p)] for p in params])
+        return Bucket(index, list(params), offsets, numel, names=[names[id(p)] for p in params])
 
     # -- the two pieces of the exercise -------------------------------------------
 
     # EXERCISE PART 1: the hook. Called by autograd once a parameter's .grad holds its
     # final value for this backward (register_post_accumulate_grad_hook). Mark the
     # parameter ready; when its bucket is complete, launch every complete bucket in order.
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._require_sync:
+    def on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.require_sync:
             return  # inside no_sync(): gradients only accumulate locally
         if id(param) in self._ready:
             raise RuntimeError(
@@ -231,17 +233,17 @@ class OverlappedDDP(nn.Module):
                 "call remove_hooks() before training the wrapped module without OverlappedDDP."
             )
         self._ready.add(id(param))
-        bucket = self._bucket_of[id(param)]
+        bucket = self.bucket_of[id(param)]
         bucket.pending -= 1
         # Launch in index order only: a collective issued out of order on one rank would be
         # matched with a different bucket on another rank.
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
-            self._flush(self.buckets[self._next_bucket])
-            self._next_bucket += 1
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            self.flush(self.buckets[self.next_bucket])
+            self.next_bucket += 1
 
     # EXERCISE PART 2: the bucket flush. Copy the bucket's gradients into one flat buffer
     # and start an asynchronous all-reduce on it; backward goes on while it runs.
-    def _flush(self, bucket: _Bucket) -> None:
+    def flush(self, bucket: Bucket) -> None:
         first = bucket.params[0]
         if bucket.buffer is None:
             bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
@@ -253,12 +255,12 @@ class OverlappedDDP(nn.Module):
                 view.copy_(p.grad.reshape(-1))
         t0 = time.perf_counter_ns()
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-        self._after_launch(bucket, t0)
+        self.after_launch(bucket, t0)
 
-    def _after_launch(self, bucket: _Bucket, start_ns: int) -> None:
+    def after_launch(self, bucket: Bucket, start_ns: int) -> None:
         """Bookkeeping, not part of the algorithm: count the collective, log it for traces.
 
-        It also checks what a `_flush` written by hand gets wrong, here where it happens rather
+        It also checks what a `flush` written by hand gets wrong, here where it happens rather
         than deep inside the trace or the next step: the work missing, a bucket flushed twice or
         out of index order (collectives are matched across ranks by the order they are issued).
         """
@@ -271,12 +273,12 @@ class OverlappedDDP(nn.Module):
         if bucket.index < self._launched:
             raise RuntimeError(
                 f"bucket {bucket.index} was flushed again in this step: flush each bucket once, and advance "
-                "self._next_bucket after each flush"
+                "self.next_bucket after each flush"
             )
         if bucket.index != self._launched:
             raise RuntimeError(
                 f"bucket {bucket.index} was flushed before bucket {self._launched}: launch buckets strictly in "
-                "index order (from self.buckets[self._next_bucket] on, while each is complete), never in the "
+                "index order (from self.buckets[self.next_bucket] on, while each is complete), never in the "
                 "order they fill up; a different order on another rank would pair different buckets"
             )
         name = f"all_reduce bucket{bucket.index}"
@@ -291,9 +293,9 @@ class OverlappedDDP(nn.Module):
         Call after backward and before `optimizer.step()`; it resets the state for the next step.
         """
         self.launched_in_backward = self._launched
-        while self._next_bucket < len(self.buckets):  # the same order on every rank
-            self._flush(self.buckets[self._next_bucket])
-            self._next_bucket += 1
+        while self.next_bucket < len(self.buckets):  # the same order on every rank
+            self.flush(self.buckets[self.next_bucket])
+            self.next_bucket += 1
         with record_function("comm:wait"):
             for bucket in self.buckets:
                 bucket.work.wait()
@@ -311,17 +313,17 @@ class OverlappedDDP(nn.Module):
             bucket.pending = len(bucket.params)
         self.num_collectives = self._launched
         self._launched = 0
-        self._next_bucket = 0
+        self.next_bucket = 0
         self._ready.clear()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside, backward only accumulates gradients locally; the next synced backward sends the sum."""
-        previous, self._require_sync = self._require_sync, False
+        previous, self.require_sync = self.require_sync, False
         try:
             yield
         finally:
-            self._require_sync = previous
+            self.require_sync = previous
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -347,6 +349,29 @@ class OverlappedDDP(nn.Module):
             {"bucket": b.index, "params": len(b.params), "bytes": b.nbytes, "names": list(b.names)}
             for b in self.buckets
         ]
+
+
+# ------------------------------------------------------------------ torch's own
+
+
+def make_ddp(module: nn.Module, *, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
+             gradient_as_bucket_view: bool = True) -> DistributedDataParallel:
+    """torch's `DistributedDataParallel` around `module`, as every lab builds it.
+
+    On a GPU `device_ids` is the rank's one device (the module must be on it); on the CPU it is None, as DDP
+    requires. `gradient_as_bucket_view=True` lets the gradients live in DDP's buckets instead of beside them
+    (one gradient copy less; PyTorch DDP docs); zero them with `zero_grad(set_to_none=False)`, which keeps the
+    views.
+    """
+    validate.positive_number("bucket_cap_mb", bucket_cap_mb, "25 (MiB, DDP's default)")
+    dev = runtime.device()
+    return DistributedDataParallel(
+        module,
+        device_ids=[dev.index] if dev.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        process_group=process_group,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
 
 
 # ---------------------------------------------------------- gradient accumulation

@@ -2,13 +2,13 @@
 
 A GPT is a list of layers, `layer_names(config)`: "embedding" (token + position), "block 0" ..
 "block L-1", and "head" (final norm and LM head; the loss is the schedule's `loss_fn` on the last
-stage). A split is the number of consecutive layers in each stage (`labkit.pipeline.balance` finds
+stage). A split is the number of consecutive layers in each stage (`labkit.pipeline_plan.balance` finds
 the balanced one, `split_evenly` the naive one); `GPTStage` holds one stage's layers, and
 `pipeline_stages` wraps them in `torch.distributed.pipelining.PipelineStage`s for a rank;
 `make_schedule` picks GPipe (Huang et al. 2019: every forward, then every backward), 1F1B
 (Narayanan et al. 2019, PipeDream-Flush: one forward, one backward in the steady state) or
 interleaved 1F1B (Narayanan et al. 2021, section 2.2: v chunks per rank, stage s on rank s mod p);
-`clock_stages` records each forward and backward a stage runs on `labkit.runtime.clock`, and what it sends.
+`clock_stages` records each forward and backward a stage runs on `labkit.timer`, and what it sends.
 
 The naive version is the usual default: the blocks divided equally over the stages, the embedding on
 the first and the head on the last (`even_split`), which ignores what the layers cost. The process
@@ -19,6 +19,7 @@ emulated cluster's modelled link).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,12 +27,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import runtime, validate
+from labkit import validate
 from labkit.models import GPT, GPTConfig
+from labkit.timer import Mark
 
 __all__ = [
     "SCHEDULE_CLASSES",
     "GPTStage",
+    "StageLog",
     "clock_stages",
     "even_split",
     "gpt_loss",
@@ -77,7 +80,7 @@ def _check_split(config: GPTConfig, sizes: Sequence[int]) -> list[tuple[int, int
         raise ValueError(
             f"sizes={list(sizes)} must be positive whole numbers of layers adding up to the model's "
             f"{total} layers (embedding, {config.n_layers} blocks, head); e.g. "
-            f"labkit.pipeline.balance(costs, stages) or even_split(config, stages)"
+            f"labkit.pipeline_plan.balance(costs, stages) or even_split(config, stages)"
         )
     bounds, start = [], 0
     for n in sizes:
@@ -179,13 +182,29 @@ def make_schedule(
     return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
 
 
-def clock_stages(stages: list, spans: list, sent: list[int]) -> None:
-    """Record each forward and backward chunk of `stages` on runtime.clock, and the bytes each sends.
+@dataclass
+class StageLog:
+    """What this rank's stages did in a step: each forward and backward chunk as (kind "F"/"B", stage,
+    micro-batch, start mark, end mark) on `labkit.timer`, and the point-to-point sends (count, bytes)."""
+
+    spans: list[tuple[str, int, int, Mark, Mark]] = field(default_factory=list)
+    sends: int = 0
+    sent_bytes: int = 0
+
+    def clear(self) -> None:
+        self.spans.clear()
+        self.sends = self.sent_bytes = 0
+
+
+def clock_stages(stages: list) -> StageLog:
+    """Record each forward and backward chunk of `stages` (`labkit.timer.Mark`s: CUDA events on a GPU, so the
+    device is not stopped between chunks) and the bytes each sends, into the returned `StageLog`.
 
     torch.distributed.pipelining has no per-micro-batch hook; every schedule calls these public methods of
     the stage once per micro-batch (schedules.py: `forward_one_chunk`, `backward_one_chunk`, `get_*_send_ops`),
     so wrapping them on the instance times exactly the stage's own work, without the waits around it.
     """
+    log = StageLog()
     for stage in stages:
         for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
             inner = getattr(stage, name)
@@ -198,9 +217,9 @@ def clock_stages(stages: list, spans: list, sent: list[int]) -> None:
                 _s: int = stage.stage_index,
                 **kwargs: Any,
             ) -> Any:
-                t0 = runtime.clock()
+                start = Mark()
                 out = _inner(chunk, *args, **kwargs)
-                spans.append((_kind, _s, chunk, t0, runtime.clock()))
+                log.spans.append((_kind, _s, chunk, start, Mark()))
                 return out
 
             setattr(stage, name, timed)
@@ -209,8 +228,9 @@ def clock_stages(stages: list, spans: list, sent: list[int]) -> None:
 
             def counted(chunk: int, *args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
                 ops = _inner(chunk, *args, **kwargs)
-                sent[0] += len(ops)
-                sent[1] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                log.sends += len(ops)
+                log.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
                 return ops
 
             setattr(stage, name, counted)
+    return log

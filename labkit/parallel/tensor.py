@@ -21,7 +21,6 @@ explicitly (None: the default group); nothing is global. Neighbours: `data.py`, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,15 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import validate
-from labkit.models import GPT, Block, GPTConfig, causal_attention
+from labkit.models import GPT, Block, GPTConfig, causal_attention, check_tp_size
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "TPStats",
     "TensorParallelBlock",
-    "check_tp_size",
     "copy_to_tp",
     "reduce_from_tp",
     "shard",
@@ -257,28 +254,6 @@ class TensorParallelBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def check_tp_size(config: GPTConfig, tp: int) -> int:
-    """`tp` if tensor parallelism of that size can split `config` (whole heads and k/v heads, an
-    even share of the MLP width on every rank), else ValueError naming the sizes that can."""
-    validate.positive_int("tp", tp, "tp=2")
-    allowed = _divisors(math.gcd(config.n_heads, config.kv_heads, config.ffn_dim))
-    for name, value, why in (
-        ("n_heads", config.n_heads, "each rank keeps whole attention heads"),
-        ("n_kv_heads", config.kv_heads, "each rank keeps whole key/value heads"),
-        ("ffn_dim", config.ffn_dim, "each rank keeps an equal share of the MLP width"),
-    ):
-        if value % tp:
-            raise ValueError(
-                f"tensor parallel size {tp} does not divide {name}={value} ({why}): "
-                f"use a tp that divides {value} ({allowed})"
-            )
-    return tp
 
 
 def tensor_parallel(model: GPT, group: dist.ProcessGroup | None = None, stats: TPStats | None = None) -> GPT:

@@ -1,7 +1,7 @@
 """Numeric questions generated from labkit's own formulas, with fresh parameters every time.
 
-Each generator takes a `random.Random` and returns a `labkit.quiz.bank.Question` whose answer is computed by
-the same function the labs use (`labkit.memory.estimate`, `labkit.pipeline.bubble_fraction`,
+Each generator takes a `random.Random` and returns a `labkit.quiz.question.Question` whose answer is computed by
+the same function the labs use (`labkit.memory.estimate`, `labkit.pipeline_plan.bubble_fraction`,
 `labkit.links.collective_time_s` and `bus_bandwidth_factor`, `labkit.batch.accumulation_steps`,
 `labkit.memory.korthikanti_activation_bytes`, `labkit.planner.tp_comm_s`), so the answers are right by
 construction and a learner cannot memorise them. Sizes are drawn from published or common values.
@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import random
 
-from labkit.quiz.bank import Question
+from labkit.batch import accumulation_steps
+from labkit.links import Link, bus_bandwidth_factor, collective_time_s
+from labkit.memory import estimate, korthikanti_activation_bytes
+from labkit.models import GPTConfig
+from labkit.pipeline_plan import bubble_fraction
+from labkit.planner import tp_comm_s
+from labkit.quiz.question import Question
 
 __all__ = ["GENERATORS"]
 
@@ -19,7 +25,6 @@ _GIB = 2**30
 
 
 def model_states(rng: random.Random) -> Question:
-    from labkit.memory import estimate
 
     billions = rng.choice([1.3, 3, 7, 13, 30, 70])
     stage = rng.choice([0, 1, 2, 3])
@@ -45,7 +50,6 @@ def model_states(rng: random.Random) -> Question:
 
 
 def bubble(rng: random.Random) -> Question:
-    from labkit.pipeline import bubble_fraction
 
     p = rng.choice([2, 4, 8])
     m = rng.choice([k for k in (4, 8, 16, 32) if k >= p])
@@ -67,7 +71,6 @@ def bubble(rng: random.Random) -> Question:
 
 
 def ring_all_reduce(rng: random.Random) -> Question:
-    from labkit.links import Link, collective_time_s
 
     mib = rng.choice([64, 256, 1024])
     n = rng.choice([4, 8, 16])
@@ -90,7 +93,6 @@ def ring_all_reduce(rng: random.Random) -> Question:
 
 
 def bus_bandwidth(rng: random.Random) -> Question:
-    from labkit.links import bus_bandwidth_factor
 
     n = rng.choice([2, 4, 8, 16])
     algbw = rng.choice([100, 150, 200, 240])
@@ -112,7 +114,6 @@ def bus_bandwidth(rng: random.Random) -> Question:
 
 
 def accumulation(rng: random.Random) -> Question:
-    from labkit.batch import accumulation_steps
 
     ranks = rng.choice([4, 8, 16, 32])
     micro = rng.choice([1, 2, 4, 8])
@@ -138,7 +139,6 @@ def accumulation(rng: random.Random) -> Question:
 
 
 def activations(rng: random.Random) -> Question:
-    from labkit.memory import korthikanti_activation_bytes
 
     s, h, a = rng.choice([(2048, 4096, 32), (2048, 8192, 64), (4096, 5120, 40)])
     b = rng.choice([1, 2, 4])
@@ -161,9 +161,6 @@ def activations(rng: random.Random) -> Question:
 
 
 def tensor_parallel_comm(rng: random.Random) -> Question:
-    from labkit.links import Link
-    from labkit.models import GPTConfig
-    from labkit.planner import tp_comm_s
 
     h = rng.choice([1024, 2048, 4096])
     layers = rng.choice([12, 24, 32])

@@ -1,4 +1,4 @@
-"""Pipeline-parallel arithmetic: balanced stage splits and the bubble of an ideal schedule.
+"""Pipeline plans on paper: balanced stage splits, the bubble of an ideal schedule, the micro-batch count.
 
 * `balance(costs, stages)`: the contiguous split of layers into stages that minimises the most
   expensive stage, exactly (dynamic programming), with the naive split by layer count,
@@ -7,9 +7,10 @@
   pipeline step, and `pipeline_step_time` / `ideal_step_time` for measured stage costs;
 * `micro_batches_for_bubble` and `in_flight`: how many micro-batches a bubble target needs and how
   many each schedule keeps alive at once (what activation memory bounds); `choose_micro_batches`
-  puts the two together for a batch;
-* `profile_layers(model, x, y)`: the measured forward + backward cost and saved activation bytes
-  of each layer of a `labkit.models.GPT`, embedding and head included: the costs `balance` splits.
+  puts the two together for a batch.
+
+The costs `balance` splits are measured by `labkit.layer_profile.profile_layers`; the pipeline itself runs
+in `labkit.parallel.pipeline`. Pure arithmetic: nothing here imports torch.
 
 Formulas: Huang et al. 2019 (GPipe) and Narayanan et al. 2021 (*Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM*, section 2.2), whose bubble *overhead*
@@ -21,19 +22,12 @@ what these predict with `torch.distributed.pipelining`.
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
+from collections.abc import Sequence
 
 from labkit import validate
 
 __all__ = [
     "SCHEDULES",
-    "LayerProfile",
     "balance",
     "bubble_fraction",
     "choose_micro_batches",
@@ -41,7 +35,6 @@ __all__ = [
     "in_flight",
     "micro_batches_for_bubble",
     "pipeline_step_time",
-    "profile_layers",
     "split_evenly",
     "stage_costs",
 ]
@@ -60,7 +53,7 @@ def _check_costs(costs: Sequence[float], stages: int) -> list[float]:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
             raise ValueError(
                 f"costs[{i}]={c!r} must be a finite number > 0 (a layer's measured time); "
-                "e.g. the ms per micro-batch from labkit.pipeline's profile"
+                "e.g. the ms per micro-batch from labkit.layer_profile.profile_layers"
             )
     if stages > len(values):
         raise ValueError(
@@ -236,103 +229,3 @@ def choose_micro_batches(
         if bubble_fraction(stages, m, schedule) <= max_bubble:
             return m
     return options[-1]
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """One layer's measured cost per micro-batch, and what autograd saves for its backward."""
-
-    name: str
-    forward_ms: float
-    backward_ms: float
-    activation_bytes: int
-
-    @property
-    def ms(self) -> float:
-        return self.forward_ms + self.backward_ms
-
-
-def _timer(device: torch.device) -> Callable[[], float]:
-    """Seconds of compute: this thread's CPU time on the CPU (what the emulated cluster's virtual clock
-    counts), wall time after a device synchronisation on a GPU (kernels run asynchronously)."""
-    if device.type == "cuda":
-        return lambda: (torch.cuda.synchronize(device), time.perf_counter())[1]
-    return time.thread_time
-
-
-def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run fn and count the bytes of the tensors autograd saves for backward (each storage once)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
-def profile_layers(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 5
-) -> list[LayerProfile]:
-    """Forward and backward cost (median of `repeats` training steps) and saved activations of each
-    layer of a GPT: "embedding" (token + position), "block i", and "head" (final norm, LM head, loss).
-
-    Each layer is timed inside a whole forward and backward of the model, as a pipeline stage runs it:
-    forward from clock readings between layers, backward from gradient hooks on the tensors between
-    layers (a layer's backward ends when the gradient of its input is ready). Timed on its own, hot in
-    the cache, the head looked 20-40 % cheaper next to the blocks than it is in a real step (its logits
-    are cold by the time backward reaches them), which a balanced split then inherits. With a large
-    vocabulary the head (and the embedding's gradient) weigh as much as several blocks, which a split
-    by layer count ignores. Gradients accumulate between repeats, as over a pipeline's micro-batches.
-    """
-    validate.positive_int("repeats", repeats, "profile_layers(model, x, y, repeats=5)")
-    for name in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head"):
-        if not hasattr(model, name):
-            raise TypeError(
-                f"profile_layers needs a labkit.models.GPT (no .{name} on {type(model).__name__})"
-            )
-    clock = _timer(x.device)
-    pos = torch.arange(x.shape[1], device=x.device)
-
-    def embedding(_: torch.Tensor | None) -> torch.Tensor:
-        return model.tok_emb(x) + model.pos_emb(pos)
-
-    def head(h: torch.Tensor) -> torch.Tensor:
-        logits = model.lm_head(model.ln_f(h))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
-
-    layers: list[tuple[str, Callable]] = [("embedding", embedding)]
-    layers += [(f"block {i}", block) for i, block in enumerate(model.blocks)]
-    layers.append(("head", head))
-    saved, h = [], None  # one untimed pass: what each layer saves for backward
-    for _, layer in layers:
-        h, nbytes = _saved_bytes(lambda: layer(h))
-        saved.append(nbytes)
-    h.backward()
-    n = len(layers)
-    fwd: list[list[float]] = [[] for _ in layers]
-    bwd: list[list[float]] = [[] for _ in layers]
-    for _ in range(repeats + 1):  # the first step warms up
-        marks, ready = [clock()], [0.0] * n  # ready[i]: when the gradient of layer i's input was ready
-        h = None
-        for i, (_, layer) in enumerate(layers):
-            h = layer(h)
-            marks.append(clock())
-            if i < n - 1:
-                h.register_hook(lambda g, i=i + 1: ready.__setitem__(i, clock()))
-        t0 = clock()
-        h.backward()
-        ready[0] = clock()  # the embedding's backward ends with backward itself
-        done = [t0] + [ready[i] for i in range(n - 1, -1, -1)]  # head's end first, embedding's last
-        for k, i in enumerate(range(n - 1, -1, -1)):
-            fwd[i].append(marks[i + 1] - marks[i])
-            bwd[i].append(done[k + 1] - done[k])
-    model.zero_grad(set_to_none=True)
-    return [
-        LayerProfile(name, statistics.median(f[1:]) * 1e3, statistics.median(b[1:]) * 1e3, nb)
-        for (name, _), f, b, nb in zip(layers, fwd, bwd, saved)
-    ]

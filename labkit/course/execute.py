@@ -1,0 +1,98 @@
+"""The one way the course runs a notebook: papermill, with what `labkit run`, `labkit grade` and the tests need.
+
+`execute(path, out, parameters=..., cwd=...)` runs `path` into `out` with papermill in the `python3` kernel
+(ipykernel's own spec: this interpreter), each cell limited to `cell_timeout` seconds, and returns an
+`Execution`: whether it ran to the end, and where and how it failed (the cell's index among the notebook's own
+cells, its error). `allow_errors=True` runs every cell whatever fails (grading reads each check cell after).
+The kernel's start-up warning that its localhost transport is unencrypted is silenced (harmless here, it buried
+the progress lines); errors still show.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import papermill
+
+__all__ = ["Execution", "execute"]
+
+
+@dataclass
+class Execution:
+    """How one papermill run of a notebook went."""
+
+    notebook: Path  # the executed copy (papermill writes it as it goes, unless the kernel never started)
+    ok: bool
+    seconds: float
+    error: str = ""  # "cell 12 (execution 9): AssertionError: ..." or the run's own failure (a timeout)
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+    source: str = ""  # the failing cell's source
+
+    @property
+    def ran(self) -> bool:
+        """Did the kernel write an executed copy at all?"""
+        return self.notebook.exists()
+
+
+def execute(
+    path: str | Path,
+    out: str | Path,
+    *,
+    parameters: Mapping[str, Any] | None = None,
+    cwd: str | Path | None = None,
+    cell_timeout: float = 600,
+    kernel: str = "python3",
+    progress: bool = False,
+    allow_errors: bool = False,
+) -> Execution:
+    """Run notebook `path` into `out` (see the module docstring); `cwd` defaults to `out`'s folder."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            str(path),
+            str(out),
+            parameters=dict(parameters or {}),
+            cwd=str(cwd or out.parent),
+            kernel_name=kernel,
+            execution_timeout=cell_timeout,
+            progress_bar=progress,
+            log_output=False,
+            allow_errors=allow_errors,
+            extra_arguments=["--IPKernelApp.log_level=ERROR"],
+        )
+    except papermill.PapermillExecutionError as exc:
+        index = _own_index(Path(path), exc.source)
+        return Execution(
+            out,
+            False,
+            time.perf_counter() - t0,
+            f"cell {index} (execution {exc.exec_count}): {exc.ename}: {exc.evalue}",
+            exc.ename,
+            exc.evalue,
+            list(exc.traceback),
+            exc.source,
+        )
+    except Exception as exc:  # a cell over its time limit, a kernel that died or never started
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        return Execution(
+            out, False, time.perf_counter() - t0, f"{type(exc).__name__}: {first}", type(exc).__name__, first
+        )
+    return Execution(out, True, time.perf_counter() - t0)
+
+
+def _own_index(path: Path, source: str) -> int | str:
+    """The index of the cell with `source` among the notebook's own cells (papermill's counts the cell it
+    injects); "the injected parameters cell" when it is that one."""
+    for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        if cell.cell_type == "code" and cell.source == source:
+            return index
+    return "the injected parameters cell"

@@ -1,0 +1,113 @@
+"""Lab 04's exercise check: the learner's balanced split against brute force on cases where the usual
+wrong answers (a split by layer count, greedy filling, cut positions) fail, and impossible input refused."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable, Sequence
+
+__all__ = ["check_balance"]
+
+
+def _best_bottleneck(costs: Sequence[float], stages: int) -> float:
+    """The cheapest most-expensive stage over every contiguous split (brute force: small inputs only)."""
+    n, best = len(costs), math.inf
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+# Cases chosen so that the usual wrong answers fail on at least one: a heavy last layer (a split by
+# layer count loses), and costs where filling each stage up to the average (greedy) is not optimal.
+_BALANCE_CASES = [
+    ([8.0, 2, 2, 2, 2, 2, 2, 2, 2, 8.0], 4),
+    ([1.0, 1, 1, 1, 1, 1, 1, 9.0], 2),
+    ([3.0, 3, 2, 2, 2, 4], 3),
+    ([1.0, 4, 1, 1, 4, 1], 3),
+    ([5.0, 1, 1, 1, 1, 1, 5], 3),
+    ([2.0, 7, 3, 1, 1, 6, 2], 4),
+    ([1.0, 2, 3], 3),
+    ([4.0, 1, 1], 1),
+]
+
+
+def check_balance(fn: Callable[[list[float], int], list[int]], seed: int = 0) -> int:
+    """Lab 04: `fn(costs, stages)` returns the layers per stage of the contiguous split whose most expensive
+    stage is cheapest (equal to brute force), and refuses impossible input. Returns the cases checked."""
+    rng = random.Random(seed)
+    cases = list(_BALANCE_CASES)
+    for _ in range(30):
+        n = rng.randint(2, 9)
+        cases.append(([round(rng.uniform(0.5, 9.0), 2) for _ in range(n)], rng.randint(1, n)))
+    for costs, stages in cases:
+        got = fn(list(costs), stages)
+        n = len(costs)
+        if got is None:
+            raise AssertionError(
+                f"{fn.__name__}({costs}, {stages}) returned None: return the list of layers per stage"
+            )
+        got = list(got)
+        if (
+            len(got) == stages
+            and all(isinstance(k, int) for k in got)
+            and got == sorted(got)
+            and got[-1] == n
+            and (stages == 1 or got[0] > 0)
+            and sum(got) != n
+        ):
+            raise AssertionError(
+                f"{fn.__name__}({costs}, {stages}) returned {got}: these look like cut positions (where each stage "
+                f"ends). Return how many layers each stage has, e.g. [2, 3] for cuts [2, 5]; they add up to {n}."
+            )
+        if len(got) != stages:
+            raise AssertionError(
+                f"{fn.__name__}({costs}, {stages}) returned {got}: one number per stage, {stages} "
+                f"numbers, each the count of consecutive layers in that stage."
+            )
+        if any(not isinstance(k, int) or k < 1 for k in got) or sum(got) != n:
+            raise AssertionError(
+                f"{fn.__name__}({costs}, {stages}) returned {got}: every stage needs at least one layer and the "
+                f"counts must add up to the {n} layers. In the dynamic programme, stage k can only end after "
+                "layer k (leave one layer for each stage before it)."
+            )
+        best = _best_bottleneck(costs, stages)
+        start, mine = 0, []
+        for k in got:
+            mine.append(sum(costs[start : start + k]))
+            start += k
+        if max(mine) > best + 1e-9:
+            even = [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
+            why = (
+                "that is the split by layer count, which ignores what the layers cost"
+                if got == even
+                else "filling each stage up to the average and moving on (greedy) is not optimal, since a cut decided "
+                "early cannot be undone, and the quantity to minimise is the most expensive stage (a max, not a "
+                "sum). Exactly: best[k][i] = min over j of max(best[k-1][j], cost of layers j..i-1)"
+            )
+            raise AssertionError(
+                f"{fn.__name__}({costs}, {stages}) returned {got}, whose most expensive stage costs "
+                f"{max(mine):g}; the best split's costs {best:g}: {why}."
+            )
+    for bad, what in (
+        (([1.0, 2.0], 3), "more stages than layers"),
+        (([1.0, 0.0, 2.0], 2), "a cost of 0"),
+        (([1.0, -1.0], 1), "a negative cost"),
+        (([1.0, float("nan")], 1), "a NaN cost"),
+    ):
+        try:
+            got = fn(*bad)
+        except ValueError:
+            continue
+        except Exception as exc:
+            raise AssertionError(
+                f"{fn.__name__}{bad} ({what}) raised {type(exc).__name__}: {exc}; raise ValueError "
+                "with the value, the constraint and the fix"
+            ) from exc
+        raise AssertionError(
+            f"{fn.__name__}{bad} ({what}) returned {got!r}: raise ValueError saying which value is "
+            "wrong and what would be right (e.g. 'stages=3 is more than the 2 layers')"
+        )
+    return len(cases)

@@ -1,0 +1,50 @@
+"""Lab 02's exercise check: accumulated gradients against the big batch's, and DDP's all-reduces counted;
+its hint names the mistake made (a micro-batch missing, the loss not divided, no_sync on every micro-step)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["check_accumulation"]
+
+
+def _scaled(g: torch.Tensor, ref: torch.Tensor, factor: float) -> bool:
+    return torch.allclose(g, ref * factor, rtol=1e-4, atol=1e-6)
+
+
+def check_accumulation(results: list[Any], reference: torch.Tensor, steps: int) -> float:
+    """Lab 02: accumulated gradients equal the big batch's, with one all-reduce per bucket per optimizer
+    step; `results` are `dp_train` results (`return_grads=True`). Returns the largest gradient error."""
+    error = max((r.grads - reference).abs().max().item() for r in results)
+    r0 = results[0]
+    if r0.allreduce_calls == 0:
+        raise AssertionError(
+            "no all-reduce in the optimizer step: every backward ran inside no_sync(), so each rank kept only its "
+            "own gradients. Run the last micro-batch outside `with ddp.no_sync():`; its backward all-reduces the "
+            "accumulated sum."
+        )
+    if error >= 1e-5:
+        g = results[0].grads
+        if steps > 1 and _scaled(g, reference, (steps - 1) / steps):
+            raise AssertionError(
+                f"the gradients are {steps - 1}/{steps} of the big batch's: one micro-batch is missing. Run forward "
+                "and backward for every (x, y) in batches, the last one included (outside no_sync)."
+            )
+        if _scaled(g, reference, steps):
+            raise AssertionError(
+                f"the gradients are {steps}x the big batch's: divide each micro-batch's loss by len(batches) "
+                "before backward, so that the sum over micro-steps is the mean."
+            )
+        raise AssertionError(
+            f"gradients differ from the big batch's by {error:.2e}: divide every micro-batch loss by "
+            "len(batches) and run backward for every micro-batch, the last one outside no_sync."
+        )
+    if r0.allreduce_calls != r0.buckets:
+        raise AssertionError(
+            f"{r0.allreduce_calls} all-reduces for {r0.buckets} buckets in one optimizer step: DDP all-reduced on "
+            "every micro-step. Every micro-batch but the last must run inside `with ddp.no_sync():`, its forward "
+            "as well as its backward (DDP decides in forward whether the next backward synchronises)."
+        )
+    return error

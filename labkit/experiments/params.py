@@ -1,0 +1,219 @@
+"""Each lab's parameters as one typed, self-validating dataclass, declared once in the lab's module.
+
+    @dataclass(frozen=True)
+    class Params(LabParams):
+        n_layers: int = param(6, "GPT blocks", minimum=1)
+        bucket_cap_mb: float = param(0.5, "DDP's bucket size in MiB", minimum=0, strict=True)
+
+Everything else reads them from there: `labkit build` writes the notebook's parameters cell from the fields
+(their defaults and docs), the notebook checks what papermill injected with `Params.from_cell(globals())`,
+`python -m` / `torchrun -m labkit.experiments.<lab>` takes `--set KEY VALUE` for any field (`--help` lists them
+with their docs), `labkit run -p KEY VALUE` is checked before a kernel starts, and the tests take their small
+runs from `Params.TEST` and `Params.SMOKE` (torchtitan's typed config with one docstring per field is the
+model).
+
+Checks happen when an instance is made (`__post_init__`): every field by its type and range, then the lab's
+own `check()` across fields. The error is a `labkit.validate.ParamError` with the value, the constraint and a
+value that works; `ParamError.fix(form)` writes the fix as the user would type it (`--set n_layers 6`, `-p
+n_layers 6`, `n_layers = 6` in the parameters cell). Some defaults depend on the ranks the lab runs on
+(divisibility, micro-batches >= stages, the memory the mistake needs): such a field defaults to None, and
+`resolve(on_gpu=...)` fills it in for the ranks at hand (`LabParams.RANKS` names the field that holds them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar, get_args, get_origin
+
+from labkit.cluster import Cluster
+from labkit.validate import ParamError
+
+__all__ = ["FORMS", "LabParams", "ParamError", "param"]
+
+P = TypeVar("P", bound="LabParams")
+FORMS = ("set", "p", "cell", "python")  # where a value was typed: --set, labkit run -p, the notebook, a call
+
+
+def param(
+    default: Any,
+    doc: str,
+    *,
+    minimum: float | None = None,
+    strict: bool = False,
+    choices: tuple[Any, ...] | None = None,
+    example: Any = None,
+) -> Any:
+    """A parameter field: its default, one line of doc, and its range (`minimum`, `strict` for > instead of
+    >=, or `choices`). For list fields the range applies to each element. `example`: a value that works, for
+    the error message (default: the default)."""
+    meta = {"doc": doc, "minimum": minimum, "strict": strict, "choices": choices, "example": example}
+    if isinstance(default, (list, dict)):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _type_name(kind: Any) -> str:
+    if get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(k) for k in get_args(kind))
+    if get_origin(kind) is list:
+        return f"a list of {_type_name(get_args(kind)[0])}"
+    return {
+        int: "a whole number",
+        float: "a number",
+        bool: "True or False",
+        str: "a string",
+        type(None): "None",
+    }.get(kind, str(kind))
+
+
+def _conforms(value: Any, kind: Any) -> bool:
+    """Does `value` have type `kind` (int for float allowed; bool is not an int here)?"""
+    if get_origin(kind) in (typing.Union, types.UnionType):
+        return any(_conforms(value, k) for k in get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if get_origin(kind) is list:
+        (item,) = get_args(kind)
+        return isinstance(value, (list, tuple)) and all(_conforms(v, item) for v in value)
+    return isinstance(value, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabParams:
+    """The parameters every lab has; each lab's `Params` subclasses it and adds its own."""
+
+    cluster: str = param(
+        "auto",
+        "auto: NCCL when this machine has a GPU for every rank, else the emulated "
+        "cluster; cpu: the emulated cluster; gpu: the GPUs",
+        choices=("auto", "cpu", "gpu"),
+    )
+
+    LAB: ClassVar[str] = ""  # "03_unoverlapped_comms"
+    RANKS: ClassVar[str | None] = "world_size"  # the field that holds the ranks (None: the lab picks its own)
+    TEST: ClassVar[Mapping[str, Any]] = {}  # the solution notebook's test run (small; the lesson still shows)
+    SMOKE: ClassVar[Mapping[str, Any]] = {}  # the script's test runs under torchrun (tiny; any world size)
+
+    # ----------------------------------------------------------------- checks
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            self._check_field(f, hints[f.name])
+        self.check()
+
+    def _check_field(self, f: dataclasses.Field, kind: Any) -> None:
+        value, meta = getattr(self, f.name), f.metadata
+        example = meta.get("example", None)
+        example = f.default if example is None and f.default is not dataclasses.MISSING else example
+        if example is None and f.default_factory is not dataclasses.MISSING:
+            example = f.default_factory()
+        if not _conforms(value, kind):
+            raise ParamError(f.name, value, _type_name(kind), example)
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            raise ParamError(f.name, value, "one of " + ", ".join(repr(c) for c in meta["choices"]), example)
+        low = meta.get("minimum")
+        if low is None or value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v < low or (meta["strict"] and v == low):
+                what = f"> {low:g}" if meta["strict"] else f">= {low:g}"
+                each = "each element " if isinstance(value, (list, tuple)) else ""
+                raise ParamError(f.name, value, f"{_type_name(kind)} with {each}{what}", example)
+
+    def check(self) -> None:
+        """The lab's checks across fields (raise `ParamError`); none by default."""
+
+    def check_multiple(self, name: str, of: int, why: str) -> None:
+        """Raise `ParamError` unless field `name` is a multiple of `of` (the nearest multiple as the fix)."""
+        value = getattr(self, name)
+        if value is not None and value % of:
+            raise ParamError(name, value, f"a multiple of {of}", max(of, round(value / of) * of), why=why)
+
+    # ----------------------------------------------------------- making them
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Each field's one line of doc, in declaration order."""
+        return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each field's default, in declaration order."""
+        return {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def make(cls: type[P], values: Mapping[str, Any], form: str = "python") -> P:
+        """`cls(**values)`, refusing a name that is not a field; a `ParamError` says the fix in `form`."""
+        unknown = [k for k in values if k not in cls.field_docs()]
+        if unknown:
+            known = ", ".join(f"{k}={v!r}" for k, v in cls.defaults().items())
+            raise ParamError(
+                unknown[0],
+                values[unknown[0]],
+                f"a parameter of lab {cls.LAB}; its parameters: {known}",
+                None,
+                form=form,
+            )
+        try:
+            return cls(**values)
+        except ParamError as err:
+            raise err.in_form(form) from None
+
+    @classmethod
+    def from_text(
+        cls: type[P], pairs: list[tuple[str, str]], form: str = "set", base: Mapping[str, Any] | None = None
+    ) -> P:
+        """From `KEY VALUE` pairs typed on a command line: each value is JSON, a bare word is a string."""
+        values = dict(base or {})
+        for key, raw in pairs:
+            try:
+                values[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                values[key] = raw
+        return cls.make(values, form)
+
+    @classmethod
+    def from_cell(cls: type[P], namespace: Mapping[str, Any], on_gpu: bool | None = None) -> P:
+        """In a notebook: the parameters cell's values (after papermill's), checked and resolved."""
+        values = {k: namespace[k] for k in cls.field_docs() if k in namespace}
+        made = cls.make(values, "cell")
+        if on_gpu is None:
+            on_gpu = not Cluster.resolve(made.cluster, max(1, made.ranks or 1)).is_emulated
+        try:
+            return made.resolve(on_gpu=on_gpu)
+        except ParamError as err:
+            raise err.in_form("cell") from None
+
+    # ---------------------------------------------------------------- ranks
+
+    @property
+    def ranks(self) -> int | None:
+        """The ranks this lab runs on (its `RANKS` field), or None where it picks its own."""
+        return getattr(self, self.RANKS) if self.RANKS else None
+
+    def with_ranks(self: P, ranks: int) -> P:
+        """The same parameters on `ranks` ranks (torchrun's WORLD_SIZE, or `--world-size`)."""
+        if not self.RANKS:
+            return self
+        return dataclasses.replace(self, **{self.RANKS: ranks})
+
+    def resolve(self: P, *, on_gpu: bool = False) -> P:
+        """Fill in the defaults that depend on the ranks (and on whether they are GPUs); check what needs them.
+        Labs with such defaults override it; it returns `self` unchanged here."""
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The values, for records and reports."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -1,0 +1,86 @@
+"""This rank's timer: `clock()` readings, and `Span` for the time of one span of its work.
+
+Every duration the course reports is taken here. What the timer reads depends on where the rank runs
+(`labkit.runtime`):
+
+* on the emulated cluster (clock="virtual"), the rank's virtual device clock (`labkit.emulate.clock`): its
+  main thread's CPU time plus the modelled waits for collectives, the same on a busy machine;
+* on a GPU, the wall clock after the device has finished its queued work (kernels run asynchronously);
+* elsewhere (a torchrun rank on CPUs, a plain process, the emulated cluster with clock="wall") the wall clock.
+
+`Mark` and `Span` time work without stopping the device inside it: on a GPU a mark is a CUDA event recorded on
+the current stream, waited for only when a time is read (CUDA semantics notes in PyTorch: `torch.cuda.Event`
+with `enable_timing=True`, `elapsed_time` in milliseconds); elsewhere it is a `clock()` reading.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+
+import torch
+
+from labkit import emulate, runtime
+
+__all__ = ["Mark", "Span", "clock", "waited"]
+
+
+def clock() -> float:
+    """Seconds on this rank's timer (see the module docstring); take differences of two readings."""
+    if runtime.on_virtual_clock():
+        return emulate.rank_clock().now()
+    runtime.synchronize()
+    return time.perf_counter()
+
+
+def waited() -> float | None:
+    """Seconds this rank's virtual clock has spent waiting for collectives and transfers so far (None off the
+    virtual clock: elsewhere waiting is not told apart from computing)."""
+    return emulate.rank_clock().waited() if runtime.on_virtual_clock() else None
+
+
+class Mark:
+    """A point on this rank's timer: a CUDA event recorded on the current stream on a GPU (nothing waits for
+    the device to record it), a `clock()` reading elsewhere. `later.ms_since(earlier)` is the time between."""
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._t = 0.0
+        if runtime.on_gpu() and torch.cuda.is_initialized():
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
+        else:
+            self._t = clock()
+
+    def ms_since(self, earlier: Mark) -> float:
+        """Milliseconds from `earlier` to this mark (on a GPU, once this mark's event has completed)."""
+        if self._event is not None and earlier._event is not None:
+            self._event.synchronize()
+            return float(earlier._event.elapsed_time(self._event))
+        return (self._t - earlier._t) * 1e3
+
+
+class Span:
+    """The time of one span of this rank's work, in ms: `with Span() as span: ...` then `span.ms`.
+
+    Its ends are `Mark`s: CUDA events on a GPU, so nothing inside the span waits for the device (reading `ms`
+    waits for the end event), `clock()` readings elsewhere.
+    """
+
+    def __init__(self) -> None:
+        self.start: Mark | None = None
+        self.end: Mark | None = None
+
+    def __enter__(self) -> Span:
+        self.start = Mark()
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self.end = Mark()
+
+    @property
+    def ms(self) -> float:
+        """The span's length in milliseconds."""
+        if self.start is None or self.end is None:
+            raise RuntimeError("Span.ms is read after the span: with Span() as span: ...; then span.ms")
+        return self.end.ms_since(self.start)

@@ -1,0 +1,81 @@
+"""A rank's training samples: its rows of each global batch (`labkit.training.reference.rank_rows`), one
+sample at a time, tokenized once before training or, the mistake, as each is fetched.
+
+`RankSamples(config, job, rank, world_size, steps)` holds the rank's rows of global batches 0..steps-1 in
+order, so a `DataLoader` of `micro_batch` gives step s's micro-batches in turn: the same samples any split of
+the same global batch sees. With `passes` > 0 each sample is written out as text and parsed back that many
+times, in Python, when it is fetched, as a tokenizer run inside the training loop would; `prepare()` does
+that work once, up front (the fix). `tokenizer_passes` sizes the tokenizer so that it costs a given share of
+a step's compute on this machine, so that a planted data-loading bottleneck is one at any model size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from labkit import timer
+from labkit.models import GPTConfig, synthetic_batch
+from labkit.training.reference import rank_rows
+
+__all__ = ["RankSamples", "tokenizer_passes"]
+
+
+class RankSamples(torch.utils.data.Dataset):
+    """This rank's samples for `steps` optimizer steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        global_batch: int,
+        rank: int,
+        world_size: int,
+        steps: int,
+        *,
+        seed: int = 0,
+        passes: int = 0,
+    ) -> None:
+        rows = [rank_rows(config, global_batch, rank, world_size, step=s, seed=seed) for s in range(steps)]
+        self.x = torch.cat([x for x, _ in rows])
+        self.y = torch.cat([y for _, y in rows])
+        self.vocab = config.vocab_size
+        self.passes = passes
+        self._ready: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def _tokenize(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.x[i].tolist()
+        for _ in range(self.passes):  # text -> tokens, as a slow tokenizer would
+            text = " ".join(f"t{t:05d}" for t in tokens)
+            tokens = [int(word[1:]) % self.vocab for word in text.split()]
+        return torch.tensor(tokens), self.y[i]
+
+    def prepare(self) -> RankSamples:
+        """Tokenize every sample now, before training (the fix)."""
+        self._ready = [self._tokenize(i) for i in range(len(self))]
+        return self
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ready[i] if self._ready is not None else self._tokenize(i)
+
+
+def tokenizer_passes(
+    model: nn.Module, config: GPTConfig, samples: int, share: float, device: torch.device
+) -> int:
+    """Tokenizer passes per sample that cost about `share` of a forward and backward of `samples` samples,
+    both on this rank's timer (`labkit.timer.clock`). The forward and backward timed is the model's first,
+    cold: more passes, if anything."""
+    x, y = synthetic_batch(config, samples, device=device)
+    t0 = timer.clock()
+    model(x, y).backward()
+    step_s = timer.clock() - t0
+    model.zero_grad(set_to_none=True)
+    probe = RankSamples(config, 4, 0, 1, 1, passes=20)
+    probe[0]  # once untimed: the first call pays for cold caches, and would make the tokenizer look slower
+    t0 = timer.clock()
+    for i in range(len(probe)):
+        probe[i]
+    per_pass = (timer.clock() - t0) / (4 * 20)
+    return max(1, round(share * step_s / (samples * per_pass)))
