@@ -35,7 +35,7 @@ def parameters_source(params: type[LabParams], module: str) -> str:
     width = max(len(line) for line in lines) + 2
     head = [
         "# Parameters: papermill (labkit run -p KEY VALUE) overrides them; the defaults run on a 2-core CPU.",
-        f"# labkit build writes this cell from {module}.Params, which checks the values in the next cell.",
+        f"# Written by labkit build from {module}.Params, which checks them in the next cell.",
     ]
     return "\n".join(head + [f"{line:<{width}}# {doc}" for line, doc in zip(lines, docs.values())])
 

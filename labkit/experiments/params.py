@@ -93,12 +93,8 @@ def _conforms(value: Any, kind: Any) -> bool:
 class LabParams:
     """The parameters every lab has; each lab's `Params` subclasses it and adds its own."""
 
-    cluster: str = param(
-        "auto",
-        "auto: NCCL when this machine has a GPU for every rank, else the emulated "
-        "cluster; cpu: the emulated cluster; gpu: the GPUs",
-        choices=("auto", "cpu", "gpu"),
-    )
+    cluster: str = param("auto", "auto: NCCL if this machine has a GPU per rank, else the emulated cluster (cpu)",
+                         choices=("auto", "cpu", "gpu"))
 
     LAB: ClassVar[str] = ""  # "03_unoverlapped_comms"
     RANKS: ClassVar[str | None] = "world_size"  # the field that holds the ranks (None: the lab picks its own)

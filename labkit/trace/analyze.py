@@ -31,7 +31,7 @@ from labkit.trace.commlog import COMM_CATEGORY
 from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
 from labkit.trace.timeline import Trace, TraceEvent, load_json, read_trace, step_lanes, subtract, union
 
-__all__ = ["Collective", "RankBreakdown", "analyze", "trace_files"]
+__all__ = ["Collective", "RankBreakdown", "analyze", "read_timelines", "trace_files"]
 
 Interval = tuple[float, float]
 
@@ -298,3 +298,9 @@ def analyze(traces: str | Path | Sequence[str | Path]) -> list[RankBreakdown]:
         else:
             out.append(_host_breakdown(host, rank))
     return out
+
+
+def read_timelines(traces: str | Path | Sequence[str | Path]) -> list[Trace]:
+    """Every rank's device timeline of one run (`labkit.trace.device.read_timeline`), in rank order: what
+    `plot_timeline` draws."""
+    return [read_trace(dev if dev is not None else host, rank=rank) for rank, host, dev in trace_files(traces)]

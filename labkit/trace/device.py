@@ -20,9 +20,16 @@ from pathlib import Path
 from labkit.emulate.clock import VirtualClock
 from labkit.trace.commlog import COMM_CATEGORY
 from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
-from labkit.trace.timeline import dump_json, subtract, union
+from labkit.trace.timeline import Trace, dump_json, read_trace, subtract, union
 
-__all__ = ["DEVICE_COMM", "DEVICE_COMPUTE", "DEVICE_PHASES", "device_trace_path", "write_device_trace"]
+__all__ = [
+    "DEVICE_COMM",
+    "DEVICE_COMPUTE",
+    "DEVICE_PHASES",
+    "device_trace_path",
+    "read_timeline",
+    "write_device_trace",
+]
 
 DEVICE_COMPUTE = "emulated GPU: compute"
 DEVICE_COMM = "emulated GPU: communication"
@@ -35,6 +42,14 @@ def device_trace_path(host_trace: str | Path) -> Path:
     if p.name.endswith(".json.gz"):
         return p.with_name(p.name[: -len(".json.gz")] + ".device.json.gz")
     return p.with_name(p.stem + ".device" + (p.suffix or ".json"))
+
+
+def read_timeline(host_trace: str | Path, rank: int | None = None) -> Trace:
+    """The device's timeline of one rank's profiled steps: the emulated device timeline written beside the host
+    trace when there is one (virtual time), else the host trace itself (on a GPU its kernels are the device's
+    lanes). This is what a timeline picture of the rank should draw."""
+    device = device_trace_path(host_trace)
+    return read_trace(device if device.exists() else host_trace, rank=rank)
 
 
 def write_device_trace(

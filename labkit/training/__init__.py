@@ -16,7 +16,7 @@ Labs 02, 03, 05 and 06 train with it (`labkit.experiments`).
 """
 
 from labkit.training.job import TrainingJob
-from labkit.training.mistakes import MISTAKES, Mistake
+from labkit.training.mistakes import MISTAKES, Mistake, by_diagnosis
 from labkit.training.trainer import Trainer
 
-__all__ = ["MISTAKES", "Mistake", "Trainer", "TrainingJob"]
+__all__ = ["MISTAKES", "Mistake", "Trainer", "TrainingJob", "by_diagnosis"]
