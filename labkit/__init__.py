@@ -1,15 +1,19 @@
 """labkit: helpers for the Multi-GPU Mistakes Lab notebooks.
 
-The names notebooks and users call most are importable from here; each lives in the module
-named after its idea (docs/architecture.md has the map):
+The names notebooks and users call most are importable from here; each lives in the module named after its
+idea (docs/architecture.md has the map and the whole public surface):
 
-* the cluster and its ranks: `Cluster`, `Link` (`labkit.cluster`, `labkit.links`), `launch`,
-  `RankError` (`labkit.launcher`), and inside a rank `device`, `clock`, `current_cluster` and
-  the memory stats (`labkit.runtime`);
-* memory: `estimate` and friends (`labkit.memory`), `measure`, `estimate_fake`,
-  `find_max_batch` (`labkit.measured_memory`), `MemoryBudget` (`labkit.emulate`);
-* communication: `OverlappedDDP`, `allreduce_gradients_naive` (`labkit.parallel.data`),
-  `bandwidth_test` (`labkit.bandwidth`), `bus_bandwidth_factor` (`labkit.links`);
+* the cluster and its ranks: `Cluster`, `GPU` (`labkit.cluster`), `Link` (`labkit.links`), `launch`
+  (`labkit.launcher`), `RankError` (`labkit.errors`); inside a rank `device`, `current_cluster`
+  (`labkit.runtime`), `clock` (`labkit.timer`) and the memory stats (`labkit.device_memory`);
+* the model: `GPT`, `GPTConfig`, `seeded_model`, `synthetic_batch` (`labkit.models`);
+* memory: `estimate`, `MemoryBreakdown` (`labkit.memory`), `korthikanti_activation_bytes`
+  (`labkit.activations`), `measure`, `estimate_fake`, `find_max_batch` (`labkit.measured_memory`),
+  `MemoryBudget` (`labkit.emulate`);
+* parallelism: `Layout` (`labkit.layout`), `plan` (`labkit.planner`), `OverlappedDDP`,
+  `allreduce_gradients_naive` (`labkit.parallel.data`), `bandwidth_test` (`labkit.bandwidth`),
+  `bus_bandwidth_factor` (`labkit.links`);
+* the training job: `TrainingJob`, `MISTAKES` (`labkit.training`);
 * traces: `capture`, `read_trace`, `overlap`, `plot_timeline`, `CommLog` (`labkit.trace`);
 * the course: `record`, `read_records` (`labkit.records`).
 """
@@ -31,6 +35,8 @@ _HOME = {
     "record": "labkit.records",
     "MemoryBudget": "labkit.emulate",
     "RankError": "labkit.errors",
+    "MISTAKES": "labkit.training",
+    "TrainingJob": "labkit.training",
     "launch": "labkit.launcher",
     "Link": "labkit.links",
     "bus_bandwidth_factor": "labkit.links",
@@ -43,8 +49,9 @@ _HOME = {
     "korthikanti_activation_bytes": "labkit.activations",
     "GPT": "labkit.models",
     "GPTConfig": "labkit.models",
+    "seeded_model": "labkit.models",
     "synthetic_batch": "labkit.models",
-    "Layout": "labkit.parallel.layout",
+    "Layout": "labkit.layout",
     "OverlappedDDP": "labkit.parallel.data",
     "allreduce_gradients_naive": "labkit.parallel.data",
     "plan": "labkit.planner",
@@ -84,6 +91,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "GPT",
     "GPU",
+    "MISTAKES",
     "BatchSearch",
     "Cluster",
     "CommLog",
@@ -94,6 +102,7 @@ __all__ = [
     "MemoryBudget",
     "OverlappedDDP",
     "RankError",
+    "TrainingJob",
     "allreduce_gradients_naive",
     "bandwidth_test",
     "bus_bandwidth_factor",
@@ -116,5 +125,6 @@ __all__ = [
     "read_trace",
     "record",
     "reset_peak_memory_stats",
+    "seeded_model",
     "synthetic_batch",
 ]

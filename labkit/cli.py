@@ -52,7 +52,8 @@ def doctor(args: argparse.Namespace) -> int:
     from labkit.launcher import launch
 
     print(
-        f"python    {platform.python_version()} on {platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
+        f"python    {platform.python_version()} on {platform.system()} {platform.machine()}, "
+        f"{os.cpu_count()} CPU cores"
     )
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -101,8 +102,8 @@ def doctor(args: argparse.Namespace) -> int:
     else:
         one = (
             (
-                " Labs that need several ranks run them on the emulated cluster (cluster='auto' picks it), single-GPU "
-                "parts (memory, profiling, one-rank runs) use this GPU."
+                " Labs that need several ranks run them on the emulated cluster (cluster='auto' picks it), "
+                "single-GPU parts (memory, profiling, one-rank runs) use this GPU."
             )
             if cluster.gpu_count == 1
             else ""
@@ -190,11 +191,23 @@ def run(args: argparse.Namespace) -> int:
         workdir = out / lab  # figures a notebook saves land here, and the report links them
         workdir.mkdir(exist_ok=True)
         print(f"[{i}/{len(notebooks)}] {lab}: running with {params} ...", flush=True)
-        run_ = execute(nb, target, parameters=params, cwd=workdir, kernel=args.kernel,
-                       cell_timeout=args.cell_timeout, progress=not args.quiet)
-        entry: dict = {"lab": lab, "notebook": str(target), "parameters": params,
-                       "status": "passed" if run_.ok else "failed", "seconds": round(run_.seconds, 1),
-                       "records": read_records(target) if target.exists() else {}}
+        run_ = execute(
+            nb,
+            target,
+            parameters=params,
+            cwd=workdir,
+            kernel=args.kernel,
+            cell_timeout=args.cell_timeout,
+            progress=not args.quiet,
+        )
+        entry: dict = {
+            "lab": lab,
+            "notebook": str(target),
+            "parameters": params,
+            "status": "passed" if run_.ok else "failed",
+            "seconds": round(run_.seconds, 1),
+            "records": read_records(target) if target.exists() else {},
+        }
         if not run_.ok:
             entry["error"] = run_.error
             failed.append(f"{lab} {run_.error}")
@@ -222,7 +235,7 @@ def report(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     data = json.loads(previous.read_text())
     results = data.get("labs", data) if isinstance(data, dict) else data
-    json_path, md_path = write_report(
+    _json_path, md_path = write_report(
         run_dir, results, context=data.get("context") if isinstance(data, dict) else None
     )
     print(f"report: {md_path}")

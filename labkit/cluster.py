@@ -159,11 +159,12 @@ class Cluster:
             cluster = spec
             if cluster.kind == "described":
                 raise ValueError(
-                    f"cluster={cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu_name or 'GPU'} only describes a "
-                    "machine: nothing here can run on it. Plan for it with labkit.planner.plan(model, cluster, "
-                    "global_batch); to run, use cluster='cpu' (the emulated cluster), e.g. "
-                    f"Cluster.emulated(nodes={min(cluster.nodes, 2)}, gpus_per_node={min(cluster.gpus_per_node, 4)}), "
-                    "or cluster='gpu' on this machine's GPUs."
+                    f"cluster={cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu_name or 'GPU'} only "
+                    "describes a machine: nothing here can run on it. Plan for it with "
+                    "labkit.planner.plan(model, cluster, global_batch); to run, use cluster='cpu' (the "
+                    f"emulated cluster), e.g. Cluster.emulated(nodes={min(cluster.nodes, 2)}, "
+                    f"gpus_per_node={min(cluster.gpus_per_node, 4)}), or cluster='gpu' on this machine's "
+                    "GPUs."
                 )
         elif spec in ("cpu", "emulated"):
             cluster = replace(cls.emulated(gpus_per_node=world_size), reason="asked for the emulated cluster")
@@ -176,7 +177,8 @@ class Cluster:
                 why = (
                     "no GPU found"
                     if n == 0
-                    else f"{n} GPU(s) found, {world_size} ranks asked (a lab needing {world_size} ranks runs them here)"
+                    else f"{n} GPU(s) found, {world_size} ranks asked (a lab needing {world_size} ranks "
+                    "runs them here)"
                 )
                 cluster = replace(cls.emulated(gpus_per_node=world_size), reason=f"{why}: emulated cluster")
         else:
@@ -216,9 +218,10 @@ class Cluster:
         validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
         if self.kind == "gpu" and self.gpu_count == 0:
             raise ValueError(
-                f"world_size={world_size} is larger than the 0 GPU(s) present: cluster='gpu' was asked for, but "
-                f"this machine has no GPU (torch.cuda.is_available() is {torch.cuda.is_available()}, torch "
-                f"{torch.__version__}); use cluster='cpu' for the emulated cluster (labkit run --cluster cpu)."
+                f"world_size={world_size} is larger than the 0 GPU(s) present: cluster='gpu' was asked for, "
+                f"but this machine has no GPU (torch.cuda.is_available() is {torch.cuda.is_available()}, "
+                f"torch {torch.__version__}); use cluster='cpu' for the emulated cluster (labkit run "
+                "--cluster cpu)."
             )
         if self.kind == "gpu" and world_size > self.gpu_count:
             raise ValueError(
@@ -238,7 +241,8 @@ class Cluster:
         if self.kind == "described":
             lines.append(
                 f"Described cluster (planning only): {self.nodes} node(s) x {self.gpus_per_node} "
-                f"{self.gpu_name}, {self.memory_gib:g} GiB and {self.peak_tflops:g} TFLOP/s (dense 16-bit) each"
+                f"{self.gpu_name}, {self.memory_gib:g} GiB and {self.peak_tflops:g} TFLOP/s (dense 16-bit) "
+                "each"
             )
             for what, link in (("intra-node", self.intra_node), ("inter-node", self.inter_node)):
                 lines.append(
@@ -261,7 +265,8 @@ class Cluster:
             if self.cpu_gflops:
                 lines.append(
                     f"  links scaled from this CPU's {self.cpu_gflops:.1f} GFLOP/s per core "
-                    f"(1 byte per {FLOP_PER_BYTE_INTRA:,.0f} FLOP intra-node, {FLOP_PER_BYTE_INTER:,.0f} inter-node)"
+                    f"(1 byte per {FLOP_PER_BYTE_INTRA:,.0f} FLOP intra-node, {FLOP_PER_BYTE_INTER:,.0f} "
+                    "inter-node)"
                 )
                 if self.calibration:
                     lines.append(f"  calibration: {self.calibration}")
@@ -276,7 +281,8 @@ class Cluster:
                 lines.append("  time: the wall clock (every emulated GPU needs a free core)")
         else:
             lines.append(
-                f"GPU node: {self.gpu_count} GPU(s), NCCL {self.nccl_version or '?'}, torch {self.torch_version}"
+                f"GPU node: {self.gpu_count} GPU(s), NCCL {self.nccl_version or '?'}, torch "
+                f"{self.torch_version}"
             )
             for g in self.gpus:
                 lines.append(f"  cuda:{g.index} {g.name} {g.memory_gib} GiB")

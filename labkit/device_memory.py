@@ -10,12 +10,11 @@ One home for every memory number the labs print, in both worlds:
 * elsewhere (a CPU rank without a budget) nothing counts memory until `tracked()` opens a budget that only
   counts.
 
-`cap_above_baseline(dev, memory_gib)` caps a GPU rank for the rest of its process (`set_per_process_memory_fraction`
-caps *reserved* memory, so the cap is set above what the warm process reserves); `memory_limit(nbytes)` limits
-one block of work to `nbytes` beyond what the process holds when it starts (a GPU cap lifted afterwards, a
-`MemoryBudget` on the CPU). `step_peak(step)` runs one step and returns its
-peak (`StepPeak`).
-"""
+`cap_above_baseline(dev, memory_gib)` caps a GPU rank for the rest of its process
+(`set_per_process_memory_fraction` caps *reserved* memory, so the cap is set above what the warm process
+reserves); `memory_limit(nbytes)` limits one block of work to `nbytes` beyond what the process holds when it
+starts (a GPU cap lifted afterwards, a `MemoryBudget` on the CPU). `step_peak(step)` runs one step and returns
+its peak (`StepPeak`)."""
 
 from __future__ import annotations
 
@@ -93,17 +92,17 @@ def cap_above_baseline(dev: torch.device, memory_gib: float) -> None:
 
 
 @contextlib.contextmanager
-def memory_limit(nbytes: int, *, rank: int = 0,
-                 device: torch.device | None = None) -> Iterator[emulate.MemoryBudget | None]:
-    """Inside, the work has `nbytes` of device memory beyond what this process holds now: an OOM past it is the
-    card's OOM.
+def memory_limit(
+    nbytes: int, *, rank: int = 0, device: torch.device | None = None
+) -> Iterator[emulate.MemoryBudget | None]:
+    """Inside, the work has `nbytes` of device memory beyond what this process holds now: an OOM past it is
+    the card's OOM.
 
-    On a GPU: cached blocks are returned first (they would count against the cap), what stays reserved (the warm
-    baseline, tensors still alive) is kept outside, the cap is set `nbytes` above it and lifted afterwards. On
-    the CPU: a `MemoryBudget` of `nbytes`, which counts the tensors made inside it (`budget.track(...)` adds
-    older ones). `device`: this rank's (`labkit.runtime.device()`) unless given. Yields the budget, or None on
-    a GPU.
-    """
+    On a GPU: cached blocks are returned first (they would count against the cap), what stays reserved (the
+    warm baseline, tensors still alive) is kept outside, the cap is set `nbytes` above it and lifted
+    afterwards. On the CPU: a `MemoryBudget` of `nbytes`, which counts the tensors made inside it
+    (`budget.track(...)` adds older ones). `device`: this rank's (`labkit.runtime.device()`) unless given.
+    Yields the budget, or None on a GPU."""
     if _cuda(device):
         dev = device if device is not None else runtime.device()
         torch.cuda.synchronize(dev)
@@ -207,4 +206,3 @@ def step_peak(step: Callable[[], T]) -> tuple[T, StepPeak]:
         peak = max_memory_allocated()
         source = _source() or "emulated budget"
     return result, StepPeak(start, max(start, peak), source)
-

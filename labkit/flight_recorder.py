@@ -1,21 +1,23 @@
-"""NCCL's flight recorder, read as the collective records of `labkit.emulate.record`: a hang on GPUs is named too.
+"""NCCL's flight recorder, read as the collective records of `labkit.emulate.record`: a hang on GPUs is named
+too.
 
 On the emulated cluster every rank keeps a record of its collectives, and `diagnose_hang` says which operation
 never completed and which rank skipped or mismatched it. On NCCL the same facts come from PyTorch's flight
 recorder, which `launch` turns on for every rank (`env_for`; the variables are the documented ones of
 ProcessGroupNCCL, see "PYTORCH ProcessGroupNCCL Environment Variables" and the Flight Recorder tutorial):
 
-* `TORCH_NCCL_TRACE_BUFFER_SIZE` (newer releases also read `TORCH_FR_BUFFER_SIZE`): collectives kept in a ring;
+* `TORCH_NCCL_TRACE_BUFFER_SIZE` (newer releases also read `TORCH_FR_BUFFER_SIZE`): collectives kept in a
+  ring;
 * `TORCH_NCCL_DUMP_ON_TIMEOUT=1`: when the watchdog times a collective out, each rank writes its ring to
 * `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` + its rank (here `<launch dir>/nccl_trace_rank_<r>`), a pickled dict whose
   `entries` hold, per collective, `collective_seq_id`, `profiling_name` ("nccl:all_reduce"), `state`
   ("scheduled", "started" or "completed"), `input_sizes` and `input_dtypes`.
 
-`read_collective_records(run_dir, world_size)` gives each dumped rank's record in `diagnose_hang`'s shape: the collectives
-counted, the last one, the first one not completed, and the status.
+`read_collective_records(run_dir, world_size)` gives each dumped rank's record in `diagnose_hang`'s shape: the
+collectives counted, the last one, the first one not completed, and the status.
 
-Under torchrun nothing is left to read the dumps once the watchdog has ended the ranks, so `labkit.torchrun` points
-them at `./nccl_dumps/` (unless the variables are set already) and, after the job, a person runs
+Under torchrun nothing is left to read the dumps once the watchdog has ended the ranks, so `labkit.torchrun`
+points them at `./nccl_dumps/` (unless the variables are set already) and, after the job, a person runs
 
     python -m labkit.flight_recorder nccl_dumps --world-size 16
 
@@ -75,8 +77,8 @@ def record_of(dump: dict[str, Any]) -> dict[str, Any]:
 
 
 def wait_for_dumps(run_dir: str | Path, ranks: list[int], seconds: float = 5.0) -> None:
-    """Once one rank has dumped (a watchdog timed out), give the others a moment to finish theirs: they dump at
-    about the same time. Without any dump (a rank simply raised) there is nothing to wait for."""
+    """Once one rank has dumped (a watchdog timed out), give the others a moment to finish theirs: they dump
+    at about the same time. Without any dump (a rank simply raised) there is nothing to wait for."""
     paths = [Path(run_dir) / f"{DUMP_PREFIX}{r}" for r in ranks]
     if not any(p.exists() for p in paths):
         return
@@ -98,7 +100,8 @@ def read_collective_records(run_dir: str | Path, world_size: int) -> dict[int, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m labkit.flight_recorder DIR --world-size N`: which collective hung, on which rank, and why."""
+    """`python -m labkit.flight_recorder DIR --world-size N`: which collective hung, on which rank, and
+    why."""
     from labkit.emulate import diagnose_hang
 
     p = argparse.ArgumentParser(

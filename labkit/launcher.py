@@ -171,7 +171,8 @@ def _error_for(first: _Outcome, records: dict[int, dict], world_size: int, other
     tail = f"\n(other ranks: {'; '.join(others)})" if others else ""
     info = first.info
     if info is None:
-        header = f"rank {first.rank} {_describe_exit(first.exitcode)} without returning a result (see its output above)."
+        exited = _describe_exit(first.exitcode)
+        header = f"rank {first.rank} {exited} without returning a result (see its output above)."
     else:
         header = f"rank {first.rank} raised {info['type']}: {info['message']}"
     # A rank that died, or whose collective failed, may be the victim of a peer that skipped
@@ -387,8 +388,8 @@ def _supervise(
             _stop([procs[r] for r in alive], grace_s=0.2)
             diag = diagnose_hang(_records(run_dir, world_size, nccl), world_size)
             raise RankError(
-                f"the run did not finish within its deadline of {deadline - started:.0f} s (deadline_s): rank(s) "
-                f"{running} were still running and were stopped"
+                f"the run did not finish within its deadline of {deadline - started:.0f} s (deadline_s): "
+                f"rank(s) {running} were still running and were stopped"
                 + (f".\n{diag[0]}" if diag else ", outside any collective: look for a loop that never ends."),
                 rank=running[0],
                 kind="hung",
@@ -402,8 +403,8 @@ def _supervise(
             diag = diagnose_hang(records, world_size)
             text = diag[0] if diag else "no collective record was left"
             raise RankError(
-                f"rank(s) {waiting} still running {timeout_s + _GRACE_S:.0f} s after the other ranks returned; "
-                f"they were stopped.\n{text}",
+                f"rank(s) {waiting} still running {timeout_s + _GRACE_S:.0f} s after the other ranks "
+                f"returned; they were stopped.\n{text}",
                 rank=waiting[0],
                 kind="hung",
             )

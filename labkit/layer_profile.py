@@ -83,7 +83,7 @@ def profile_layers(
     layers.append(("head", head))
     saved, h = [], None  # one untimed pass: what each layer saves for backward
     for _, layer in layers:
-        h, nbytes = _saved_bytes(lambda: layer(h))
+        h, nbytes = _saved_bytes(lambda layer=layer, h=h: layer(h))
         saved.append(nbytes)
     h.backward()
     n = len(layers)
@@ -96,7 +96,7 @@ def profile_layers(
             h = layer(h)
             marks.append(clock())
             if i < n - 1:
-                h.register_hook(lambda g, i=i + 1: ready.__setitem__(i, clock()))
+                h.register_hook(lambda g, i=i + 1, ready=ready: ready.__setitem__(i, clock()))
         t0 = clock()
         h.backward()
         ready[0] = clock()  # the embedding's backward ends with backward itself

@@ -144,7 +144,8 @@ class Topology:
 # each GPU has one 400 Gb/s NDR InfiniBand port, 50 GB/s, so about 1 byte per 10,000 FLOP.
 #
 # One core of this CPU (each emulated GPU is one process on one core) reaches a measured
-# number of GFLOP/s in an fp32 matmul (`labkit.calibrate`); the links get that many FLOP/s divided by 1,000 (intra)
+# number of GFLOP/s in an fp32 matmul (`labkit.calibrate`); the links get that many FLOP/s divided by 1,000
+# (intra)
 # and 10,000 (inter), in bytes per second. Latency is not scaled by the compute ratio (that
 # would give milliseconds per message): it is NCCL's few-microsecond latency multiplied by
 # ten, about the factor by which a PyTorch CPU op is slower to launch than a CUDA kernel.

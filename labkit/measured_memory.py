@@ -227,6 +227,12 @@ def find_max_batch(
         trials.append((batch, ok))
         return ok
 
+    return BatchSearch(batch=_largest_fit(fits, start, limit), trials=trials, limit=limit)
+
+
+def _largest_fit(fits: Callable[[int], bool], start: int, limit: int) -> int:
+    """Double from `start` until a size fails (or `limit` fits), then bisect between the last fit and the
+    first failure; 0 when nothing fits."""
     good, bad = 0, limit + 1  # invariant: good fits (or is 0), bad fails (or is past limit)
     batch = start
     while True:  # doubling phase
@@ -244,4 +250,4 @@ def find_max_batch(
             good = mid
         else:
             bad = mid
-    return BatchSearch(batch=good, trials=trials, limit=limit)
+    return good

@@ -321,7 +321,8 @@ def blocks_per_stage(config: GPTConfig, pp: int) -> list[int]:
 
 
 def stage_params(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Parameters one rank holds: stage `stage` of `pp` (blocks shared as `even_split`), matrices over `tp`."""
+    """Parameters one rank holds: stage `stage` of `pp` (blocks shared as `even_split`), matrices over
+    `tp`."""
     d, v = config.d_model, config.vocab_size
     n = blocks_per_stage(config, pp)[stage] * _block_params(config, tp)
     if stage == 0:

@@ -320,8 +320,9 @@ def check_tp_size(config: GPTConfig, tp: int) -> int:
     return tp
 
 
-def seeded_model(config: GPTConfig, seed: int = 0, device: torch.device | str = "cpu", *,
-                 checkpointing: bool = False) -> GPT:
+def seeded_model(
+    config: GPTConfig, seed: int = 0, device: torch.device | str = "cpu", *, checkpointing: bool = False
+) -> GPT:
     """`GPT(config)` with the weights `torch.manual_seed(seed)` gives, on `device`: every rank (and a
     single-process reference) that makes it with the same seed starts from the same weights."""
     torch.manual_seed(seed)

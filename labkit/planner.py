@@ -1,6 +1,6 @@
-"""The parallelism planner: every layout that divides the cluster and fits its memory, with a predicted step time.
+"""The parallelism planner: every layout that divides the cluster and fits its memory, with a predicted step.
 
-`plan(model, cluster, global_batch)` enumerates dp x tp x pp layouts (`labkit.parallel.layout`), and for each
+`plan(model, cluster, global_batch)` enumerates dp x tp x pp layouts (`labkit.layout`), and for each
 the micro-batch, ZeRO stage and activation checkpointing; it keeps what fits the GPU's memory
 (`labkit.memory.estimate`, the stage with the highest peak, gradients kept through the step when there
 are several micro-batches) and predicts a step from four terms:
@@ -23,15 +23,16 @@ rejected one its reason (does not fit, does not divide, tp crosses nodes).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from labkit import validate
 from labkit.cluster import Cluster
+from labkit.layout import Layout
 from labkit.links import Link, collective_time_s
 from labkit.memory import MemoryBreakdown, blocks_per_stage, check_model_parallel, estimate, stage_params
 from labkit.models import GPTConfig
-from labkit.parallel.layout import Layout
 
 __all__ = ["Candidate", "Plan", "Rates", "forward_flops_per_token", "plan", "spearman", "tp_comm_s"]
 
@@ -40,7 +41,8 @@ _GIB = 2**30
 
 @dataclass(frozen=True)
 class Rates:
-    """How fast one GPU computes: `flops_per_s` on the model's matmuls, and its optimizer step per parameter."""
+    """How fast one GPU computes: `flops_per_s` on the model's matmuls, and its optimizer step per
+    parameter."""
 
     flops_per_s: float
     optimizer_s_per_param: float = 0.0
@@ -58,7 +60,8 @@ def forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> tu
 
 @dataclass
 class Candidate:
-    """One layout with its best options, its memory, its prediction (ms, split by term) and, if rejected, why."""
+    """One layout with its best options, its memory, its prediction (ms, split by term) and, if rejected,
+    why."""
 
     layout: Layout
     micro_batch: int = 0
@@ -144,9 +147,9 @@ class Plan:
             f"{'compute':>9}{'bubble':>8}{'tp':>8}{'pp':>7}{'dp+opt':>8}  links / reason"
         )
         lines = [
-            f"plan for {self.cluster.nodes} x {self.cluster.gpus_per_node} GPUs"
-            f" of {_size(cap * _GIB)} ({self.headroom:.0%} kept free), global batch {self.global_batch}, seq {self.seq_len}"
-            f" ({self.cluster.label}; compute {self.rates.source})",
+            f"plan for {self.cluster.nodes} x {self.cluster.gpus_per_node} GPUs of {_size(cap * _GIB)} "
+            f"({self.headroom:.0%} kept free), global batch {self.global_batch}, seq {self.seq_len} "
+            f"({self.cluster.label}; compute {self.rates.source})",
             head,
         ]
         for c in self.candidates[:limit]:
@@ -245,7 +248,7 @@ def _predict(
         # Each micro-batch crosses every boundary twice (activation down, gradient back); a slot pays the
         # mean boundary's pair of transfers (a boundary inside a node is cheaper than the one between nodes).
         group = c.layout.groups_of("pp")[0]
-        pairs = [topo.slowest_link([a, b]) for a, b in zip(group, group[1:])]
+        pairs = [topo.slowest_link([a, b]) for a, b in itertools.pairwise(group)]
         pp_s = 2 * sum(collective_time_s("send", act_bytes, 2, lk) for lk in pairs) / len(pairs)
     m = c.micro_batches
     slot = compute + tp_s + pp_s
@@ -342,6 +345,20 @@ def plan(
     return Plan(config, cluster, global_batch, seq, rates, candidates, cap, headroom)
 
 
+def _why_not_divides(layout: Layout, config: GPTConfig, global_batch: int) -> str:
+    """Why `layout` cannot split `config` or the global batch ("" when it can)."""
+    try:
+        check_model_parallel(config, layout.tp, layout.pp)
+    except ValueError as exc:
+        return f"does not divide: {exc}"
+    if global_batch % layout.dp:
+        return (
+            f"does not divide: global batch {global_batch} over dp={layout.dp} replicas; use a global batch "
+            f"that is a multiple of {layout.dp}"
+        )
+    return ""
+
+
 def _best_option(
     layout: Layout,
     config: GPTConfig,
@@ -360,48 +377,42 @@ def _best_option(
 ) -> Candidate:
     """The fastest fitting option of one layout, or the layout with the reason nothing works."""
     base = Candidate(layout, links=layout.links_crossed(topo))
-    try:
-        check_model_parallel(config, layout.tp, layout.pp)
-    except ValueError as exc:
-        base.reason = f"does not divide: {exc}"
-        return base
-    if global_batch % layout.dp:
-        base.reason = (
-            f"does not divide: global batch {global_batch} over dp={layout.dp} replicas; use a global "
-            f"batch that is a multiple of {layout.dp}"
-        )
+    base.reason = _why_not_divides(layout, config, global_batch)
+    if base.reason:
         return base
     per_replica = global_batch // layout.dp
     sizes = [b for b in (micro_batch_sizes or _divisors(per_replica)) if per_replica % b == 0]
+    options = [
+        (mb, per_replica // mb, zero, ckpt)
+        for mb in sizes
+        for zero in (zero_stages if layout.dp > 1 else (0,))
+        for ckpt in checkpointing
+        if layout.pp == 1 or per_replica // mb >= layout.pp
+    ]  # 1F1B needs m >= p
     tried, smallest = [], None
-    for mb in sizes:
-        m = per_replica // mb
-        if layout.pp > 1 and m < layout.pp:
-            continue  # 1F1B needs m >= p
-        for zero in zero_stages if layout.dp > 1 else (0,):
-            for ckpt in checkpointing:
-                c = Candidate(layout, mb, m, zero, ckpt, links=base.links)
-                # With m > 1 micro-batches the gradients live through the step (accumulation, and 1F1B's
-                # backwards of early micro-batches before the last forward): keep_grads, as lab 02 measured.
-                c.memory = estimate(
-                    model=config,
-                    dp=layout.dp,
-                    zero_stage=zero,
-                    precision=precision,
-                    optimizer=optimizer,
-                    micro_batch=mb,
-                    seq_len=seq,
-                    checkpointing=ckpt,
-                    keep_grads=m > 1,
-                    tp=layout.tp,
-                    pp=layout.pp,
-                    micro_batches=m,
-                )
-                _predict(c, config, cluster, seq, rates, precision)
-                if smallest is None or c.memory.peak < smallest.memory.peak:
-                    smallest = c
-                if c.memory.peak <= cap * _GIB:
-                    tried.append(c)
+    for mb, m, zero, ckpt in options:
+        c = Candidate(layout, mb, m, zero, ckpt, links=base.links)
+        # With m > 1 micro-batches the gradients live through the step (accumulation, and 1F1B's backwards of
+        # early micro-batches before the last forward): keep_grads, as lab 02 measured.
+        c.memory = estimate(
+            model=config,
+            dp=layout.dp,
+            zero_stage=zero,
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=mb,
+            seq_len=seq,
+            checkpointing=ckpt,
+            keep_grads=m > 1,
+            tp=layout.tp,
+            pp=layout.pp,
+            micro_batches=m,
+        )
+        _predict(c, config, cluster, seq, rates, precision)
+        if smallest is None or c.memory.peak < smallest.memory.peak:
+            smallest = c
+        if c.memory.peak <= cap * _GIB:
+            tried.append(c)
     if smallest is None:
         base.reason = (
             f"does not divide: pp={layout.pp} stages need at least {layout.pp} micro-batches of the "

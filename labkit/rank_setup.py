@@ -74,9 +74,11 @@ def init_torchrun_rank(timeout: timedelta, memory_gib: float | None = None) -> b
             f"(CUDA_VISIBLE_DEVICES={visible}): one process per GPU, so --nproc-per-node {gpus}"
         )
     dev = _gpu_device(local_rank, memory_gib)
-    # The flight recorder, read at the group's creation: a hang leaves dumps (python -m labkit.flight_recorder)
+    # The flight recorder, read at the group's creation: a hang leaves dumps (python -m
+    # labkit.flight_recorder)
     if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
-        (Path.cwd() / "nccl_dumps").mkdir(exist_ok=True)  # the writer opens <prefix><rank>, it makes no folder
+        # the writer opens <prefix><rank>, it makes no folder
+        (Path.cwd() / "nccl_dumps").mkdir(exist_ok=True)
     for key, value in flight_recorder.env_for(Path.cwd() / "nccl_dumps").items():
         os.environ.setdefault(key, value)
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=dev)

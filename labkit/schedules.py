@@ -10,11 +10,10 @@
   Megatron-LM's `forward_backward_pipelining_with_interleaving`), then one forward and one backward in turn.
 
 `simulate(schedule, p, m, v)` runs those orders against their dependencies (a forward needs the previous
-stage's forward of the same micro-batch; a backward the next stage's backward, and its own forward), a
-forward costing 1/v and a backward 2/v of a stage's work, and returns each rank's spans, the step, the
-bubble and the most micro-batch activations each rank holds at once: what `labkit.pipeline_plan.bubble_fraction`
-and `in_flight` say, derived by running the schedule. `labkit.widgets.pipeline_explorer` draws it.
-"""
+stage's forward of the same micro-batch; a backward the next stage's backward, and its own forward), a forward
+costing 1/v and a backward 2/v of a stage's work, and returns each rank's spans, the step, the bubble and the
+most micro-batch activations each rank holds at once: what `labkit.pipeline_plan.bubble_fraction` and
+`in_flight` say, derived by running the schedule. `labkit.widgets.pipeline_explorer` draws it."""
 
 from __future__ import annotations
 
@@ -37,7 +36,8 @@ def rank_order(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[tup
         for i in range(m - warm):
             order += [("F", rank, warm + i), ("B", rank, i)]
         return order + [("B", rank, i) for i in range(m - warm, m)]
-    # interleaved: forwards visit chunk 0 for p micro-batches, then chunk 1, ...; backwards the chunks reversed
+    # interleaved: forwards visit chunk 0 for p micro-batches, then chunk 1, ...; backwards the chunks
+    # reversed
     fwd = [("F", c * p + rank, g * p + j) for g in range(m // p) for c in range(v) for j in range(p)]
     bwd = [
         ("B", c * p + rank, g * p + j) for g in range(m // p) for c in reversed(range(v)) for j in range(p)

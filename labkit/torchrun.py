@@ -11,8 +11,9 @@ torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
   fraction above the warm process's baseline (`labkit.rank_setup`), as `launch` does;
 * a rank that raises still joins the gather, so every rank raises one `RankError` naming it at once, instead
   of the others waiting for a collective until the NCCL watchdog ends them;
-* NCCL's flight recorder dumps into `./nccl_dumps/` when a collective times out (unless its variables are set):
-  `python -m labkit.flight_recorder nccl_dumps --world-size N` names the operation and the rank afterwards;
+* NCCL's flight recorder dumps into `./nccl_dumps/` when a collective times out (unless its variables are
+  set): `python -m labkit.flight_recorder nccl_dumps --world-size N` names the operation and the rank
+  afterwards;
 * the group made for the first launch stays for the next ones (destroyed at exit);
 * a process that another launcher started as one of several ranks (srun, mpirun) without torchrun is refused
   with the fix (`external_ranks`): launching here would start a whole job on this node alone.
@@ -59,10 +60,11 @@ def check_cluster(cluster: Any) -> None:
     kind = getattr(cluster, "kind", cluster)
     if kind in ("cpu", "emulated"):
         raise ValueError(
-            f"launch(cluster={cluster if isinstance(cluster, str) else 'Cluster.emulated(...)'!r}) under torchrun: "
-            "the emulated cluster (modelled links, virtual clock, memory budget) needs the ranks labkit.launch starts "
-            "itself, and torchrun has started them. Run the script without torchrun for the emulated cluster, or "
-            "pass cluster='auto' (NCCL on GPUs, plain gloo on CPUs) under torchrun."
+            f"launch(cluster={cluster if isinstance(cluster, str) else 'Cluster.emulated(...)'!r}) under "
+            "torchrun: the emulated cluster (modelled links, virtual clock, memory budget) needs the ranks "
+            "labkit.launch starts itself, and torchrun has started them. Run the script without torchrun "
+            "for the emulated cluster, or pass cluster='auto' (NCCL on GPUs, plain gloo on CPUs) under "
+            "torchrun."
         )
 
 
@@ -74,11 +76,13 @@ def run(
     timeout_s: float,
     cluster: Any = "auto",
 ) -> list[Any]:
-    """Run `fn` on this torchrun rank and return every rank's result, in rank order (see the module docstring)."""
+    """Run `fn` on this torchrun rank and return every rank's result, in rank order (see the module
+    docstring)."""
     if world_size != int(os.environ["WORLD_SIZE"]):
         raise ValueError(
-            f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE={os.environ['WORLD_SIZE']} "
-            "ranks; pass the same number (torchrun's --nnodes x --nproc-per-node)."
+            f"launch(world_size={world_size}) under torchrun, which started "
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; pass the same number (torchrun's --nnodes x "
+            "--nproc-per-node)."
         )
     check_cluster(cluster)
     # The group outlives this launch: a script's next launch reuses it. Destroying and re-creating it at once

@@ -1,4 +1,5 @@
-"""Calculators for the notebooks: GPU memory (`labkit.memory.estimate`) and pipeline schedules, with static fallbacks.
+"""Calculators for the notebooks: GPU memory (`labkit.memory.estimate`) and pipeline schedules, with static
+fallbacks.
 
 `memory_figure(config, card_gib, ...)` draws one GPU's memory as a stacked bar (weights, gradients, optimizer
 states, activations, temporaries) next to the card's capacity and the estimate's peak, for a model under a
@@ -92,7 +93,8 @@ def breakdown(
     checkpointing: bool = False,
     micro_batches: int = 1,
 ) -> MemoryBreakdown:
-    """`estimate` for one GPU of the layout; gradients live through the step when it has several micro-batches."""
+    """`estimate` for one GPU of the layout; gradients live through the step when it has several
+    micro-batches."""
     from labkit.memory import estimate
 
     return estimate(
@@ -150,7 +152,7 @@ class MemoryCalculator:
         self.message = w.HTML()
         sizes = [1, 2, 4, 8, 16, 32, 64]
         self.controls = {
-            "model": w.Dropdown(options=sorted(PRESETS) + ["custom"], value=model, description="model"),
+            "model": w.Dropdown(options=[*sorted(PRESETS), "custom"], value=model, description="model"),
             "n_layers": w.IntSlider(value=24, min=1, max=128, description="layers"),
             "d_model": w.SelectionSlider(
                 options=[512, 1024, 2048, 4096, 8192, 12288], value=2048, description="hidden"
@@ -243,8 +245,8 @@ def memory_calculator(
     model: str = "llama2-7b", card: str = "H100 80GB", widgets: bool | None = None, **options
 ):
     """The calculator in JupyterLab, its controls starting at `options`; under papermill or in a terminal the
-    static figure of `model` on `card` with `options` (dp, tp, pp, zero_stage, precision, micro_batch, seq_len,
-    checkpointing, micro_batches)."""
+    static figure of `model` on `card` with `options` (dp, tp, pp, zero_stage, precision, micro_batch,
+    seq_len, checkpointing, micro_batches)."""
     from labkit.models import PRESETS
 
     if widgets_can_render() if widgets is None else widgets:
@@ -263,8 +265,8 @@ def pipeline_figure(p: int = 4, m: int = 8, schedule: str = "1f1b", v: int = 2):
     title = (
         f"{schedule}, p={p}, m={m}"
         + (f", v={sim.chunks}" if schedule == "interleaved_1f1b" else "")
-        + f": bubble {sim.bubble:.1%} (formula {formula:.1%}); rank 0 holds {sim.in_flight[0]:g} micro-batches "
-        "of activations"
+        + f": bubble {sim.bubble:.1%} (formula {formula:.1%}); rank 0 holds {sim.in_flight[0]:g} "
+        "micro-batches of activations"
     )
     return plot_pipeline(sim.spans, sim.step, title=title)
 

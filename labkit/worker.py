@@ -59,8 +59,8 @@ def _watch_launcher(pid: int) -> None:
 
 
 def to_cpu(value: Any) -> Any:
-    """Detach tensors and move them to the CPU so the parent can unpickle without CUDA: in lists, tuples, dicts
-    (pytree's containers) and dataclasses (a result type such as `DPResult`), at any depth."""
+    """Detach tensors and move them to the CPU so the parent can unpickle without CUDA: in lists, tuples,
+    dicts (pytree's containers) and dataclasses (a result type such as `DPResult`), at any depth."""
 
     def leaf(v: Any) -> Any:
         if isinstance(v, torch.Tensor):

@@ -1,12 +1,12 @@
-"""The one way the course runs a notebook: papermill, with what `labkit run`, `labkit grade` and the tests need.
+"""The one way the course runs a notebook: papermill, with what `labkit run`, `labkit grade` and the tests
+need.
 
 `execute(path, out, parameters=..., cwd=...)` runs `path` into `out` with papermill in the `python3` kernel
 (ipykernel's own spec: this interpreter), each cell limited to `cell_timeout` seconds, and returns an
 `Execution`: whether it ran to the end, and where and how it failed (the cell's index among the notebook's own
 cells, its error). `allow_errors=True` runs every cell whatever fails (grading reads each check cell after).
-The kernel's start-up warning that its localhost transport is unencrypted is silenced (harmless here, it buried
-the progress lines); errors still show.
-"""
+The kernel's start-up warning that its localhost transport is unencrypted is silenced (harmless here, it
+buried the progress lines); errors still show."""
 
 from __future__ import annotations
 

@@ -54,13 +54,20 @@ def _status(cell: nbformat.NotebookNode) -> str:
     return f"fail: {ename}: {first[:300]}"
 
 
-def grade_notebook(path: Path, learner: str, parameters: Mapping[str, Any] | None = None,
-                   timeout_s: float = 600) -> LabGrade:
+def grade_notebook(
+    path: Path, learner: str, parameters: Mapping[str, Any] | None = None, timeout_s: float = 600
+) -> LabGrade:
     """Execute one learner's notebook (all cells, errors allowed) and read back its check cells."""
     grade = LabGrade(learner, path.stem)
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-        run = execute(path, Path(tmp) / path.name, parameters=parameters, cwd=tmp, cell_timeout=timeout_s,
-                      allow_errors=True)
+        run = execute(
+            path,
+            Path(tmp) / path.name,
+            parameters=parameters,
+            cwd=tmp,
+            cell_timeout=timeout_s,
+            allow_errors=True,
+        )
         if not run.ok and not run.source:  # a cell over the time limit, a kernel that died
             grade.error = run.error
         executed = nbformat.read(run.notebook if run.ran else path, as_version=4)
@@ -99,7 +106,8 @@ def table(grades: list[LabGrade]) -> str:
         checks = "; ".join(f"{name}: {status}" for name, status in g.checks) or "no checks"
         extra = f"  [{g.error}]" if g.error else ""
         lines.append(
-            f"{g.learner:<16} {g.lab:<24} {g.passed:>3}/{len(g.checks):<3}  {checks} ({g.seconds:.0f} s){extra}"
+            f"{g.learner:<16} {g.lab:<24} {g.passed:>3}/{len(g.checks):<3}  {checks} ({g.seconds:.0f} "
+            f"s){extra}"
         )
     return "\n".join(lines)
 

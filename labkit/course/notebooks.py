@@ -390,8 +390,8 @@ def run_until_stub(
         if is_stub_error(run.ename, run.evalue, run.traceback):
             return True, f"{path.name}: reached the exercise stub in {where}: {run.evalue}"
         return False, (
-            f"{path.name}: {where} raised {run.ename}: {run.evalue} "
-            "before any exercise stub; everything before the first stub must run"
+            f"{path.name}: {where} raised {run.ename}: {run.evalue} before any exercise stub; everything "
+            "before the first stub must run"
         )
     if stubs:
         return False, (

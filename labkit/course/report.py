@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from labkit.experiments import registry
 from labkit.records import read_records
 
 HEADLINE_KEYS = ("metric", "before", "after", "limit", "unit")
@@ -147,11 +148,63 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
             for k in keys
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _is_table(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def _links(e: dict[str, Any]) -> list[str]:
+    links = []
+    if e["notebook"]:
+        links.append(f"[executed notebook]({e['notebook']})")
+    elif e.get("notebook_missing"):
+        links.append(f"executed notebook not found: `{e['notebook_missing']}`")
+    if e["html"]:
+        links.append(f"[HTML]({e['html']})")
+    elif e.get("html_error"):
+        links.append(f"no HTML ({e['html_error']})")
+    return [" | ".join(links), ""] if links else []
+
+
+def _parameters(lab: str, values: Any) -> list[str]:
+    """The lab's parameters as run, each with its doc (from the lab's `Params`)."""
+    if not isinstance(values, dict):
+        return []
+    docs = registry.params_of(lab).field_docs() if lab in registry.LABS else {}
+    rows = [f"| {_fmt(k)} | {_fmt(v)} | {_fmt(docs.get(k, ''))} |" for k, v in values.items()]
+    return ["| parameter | value | what it is |", "| --- | --- | --- |", *rows, ""]
+
+
+def _lab_section(e: dict[str, Any]) -> list[str]:
+    """One lab's section: its status, error, links, the meaning of its numbers, its records and figures."""
+    lines = ["", f"## {e['lab']}: {e['status']}", ""]
+    if e["error"]:
+        lines += ["```", str(e["error"]).strip(), "```", ""]
+    lines += _links(e)
+    records = e["records"]
+    meaning = records.get("meaning")
+    if isinstance(meaning, dict):  # what before, after and limit are in this lab
+        order = [k for k in ("before", "after", "limit") if k in meaning]
+        order += sorted(set(meaning) - {"before", "after", "limit"})
+        lines += [*(f"- **{k}**: {_fmt(meaning[k])}" for k in order), ""]
+    plain = {k: v for k, v in records.items() if k not in ("meaning", "params") and not _is_table(v)}
+    if plain:
+        lines += [
+            "| record | value |",
+            "| --- | --- |",
+            *(f"| {_fmt(k)} | {_fmt(v)} |" for k, v in plain.items()),
+        ]
+        lines.append("")
+    elif not records:
+        lines += ["No records.", ""]
+    lines += _parameters(e["lab"], records.get("params"))
+    for k, v in records.items():
+        if _is_table(v):
+            lines += [f"**{k}**", "", *_table(v)]
+    lines += [f"![{Path(fig).stem}]({fig})" for fig in e["figures"]]
+    return lines + ([""] if e["figures"] else [])
 
 
 def _markdown(entries: list[dict[str, Any]], context: dict[str, Any] | None = None) -> str:
@@ -175,40 +228,7 @@ def _markdown(entries: list[dict[str, Any]], context: dict[str, Any] | None = No
         cells = [e["lab"], *(_fmt(r.get(k)) for k in HEADLINE_KEYS), world, e["status"], _fmt(e["seconds"])]
         lines.append("| " + " | ".join(cells) + " |")
     for e in entries:
-        lines += ["", f"## {e['lab']}: {e['status']}", ""]
-        if e["error"]:
-            lines += ["```", str(e["error"]).strip(), "```", ""]
-        links = []
-        if e["notebook"]:
-            links.append(f"[executed notebook]({e['notebook']})")
-        elif e.get("notebook_missing"):
-            links.append(f"executed notebook not found: `{e['notebook_missing']}`")
-        if e["html"]:
-            links.append(f"[HTML]({e['html']})")
-        elif e.get("html_error"):
-            links.append(f"no HTML ({e['html_error']})")
-        if links:
-            lines += [" | ".join(links), ""]
-        meaning = e["records"].get("meaning")
-        if isinstance(meaning, dict):  # what before, after and limit are in this lab
-            order = [k for k in ("before", "after", "limit") if k in meaning] + sorted(
-                set(meaning) - {"before", "after", "limit"}
-            )
-            lines += [f"- **{k}**: {_fmt(meaning[k])}" for k in order] + [""]
-        plain = {k: v for k, v in e["records"].items() if k != "meaning" and not _is_table(v)}
-        if plain:
-            lines += ["| record | value |", "| --- | --- |"]
-            lines += [f"| {_fmt(k)} | {_fmt(v)} |" for k, v in plain.items()]
-            lines.append("")
-        elif not e["records"]:
-            lines += ["No records.", ""]
-        for k, v in e["records"].items():
-            if _is_table(v):
-                lines += [f"**{k}**", ""] + _table(v)
-        for fig in e["figures"]:
-            lines.append(f"![{Path(fig).stem}]({fig})")
-        if e["figures"]:
-            lines.append("")
+        lines += _lab_section(e)
     text = "\n".join(lines)
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")

@@ -1,16 +1,15 @@
 """A model of PyTorch's CUDA caching allocator, so an emulated GPU fragments like a real one.
 
-`CachingAllocator` replays on a byte count (no memory is touched) the rules of c10/cuda/CUDACachingAllocator.cpp:
-sizes rounded to 512 B; a small pool (<= 1 MiB, 2 MiB segments) and a large pool (a 20 MiB segment under
-10 MiB, else the size rounded to 2 MiB); best fit; split and merge inside a segment; cached segments given
-back only when a new one would not fit or on `empty_cache()`; `max_split_size`; `expandable_segments` (one
-segment per pool grown by mapping pages: 2 MiB in the small pool, 20 MiB in the large one, as in the source).
-Its OOM reads like CUDA's. `budget.py` (`MemoryBudget(..., allocator="caching")`) mallocs each tensor
-storage of a rank from it. Left out: streams and events (a free is immediate), CUDA graph / MemPool pools,
-garbage_collection_threshold, roundup_power2_divisions, max_non_split_rounding_mb and large_segment_size_mb
-(defaults used), memory fractions, memory of the driver or other processes, and an expandable segment's
-address-space limit (none here). Not thread-safe.
-"""
+`CachingAllocator` replays on a byte count (no memory is touched) the rules of
+c10/cuda/CUDACachingAllocator.cpp: sizes rounded to 512 B; a small pool (<= 1 MiB, 2 MiB segments) and a large
+pool (a 20 MiB segment under 10 MiB, else the size rounded to 2 MiB); best fit; split and merge inside a
+segment; cached segments given back only when a new one would not fit or on `empty_cache()`; `max_split_size`;
+`expandable_segments` (one segment per pool grown by mapping pages: 2 MiB in the small pool, 20 MiB in the
+large one, as in the source). Its OOM reads like CUDA's. `budget.py` (`MemoryBudget(...,
+allocator="caching")`) mallocs each tensor storage of a rank from it. Left out: streams and events (a free is
+immediate), CUDA graph / MemPool pools, garbage_collection_threshold, roundup_power2_divisions,
+max_non_split_rounding_mb and large_segment_size_mb (defaults used), memory fractions, memory of the driver or
+other processes, and an expandable segment's address-space limit (none here). Not thread-safe."""
 
 from __future__ import annotations
 
@@ -81,9 +80,9 @@ class _Block:
 class CachingAllocator:
     """PyTorch's CUDA caching allocator on `capacity_bytes` of emulated device memory.
 
-    `malloc(n)` returns a handle (the block's address); `free(handle)` gives it back to the cache. `allocated`,
-    `reserved` (and `peak_*`, reset by `reset_peak()`) are what `torch.cuda.memory_allocated` / `memory_reserved`
-    would say: bytes in allocated blocks (rounded sizes), bytes in segments or mapped pages.
+    `malloc(n)` returns a handle (the block's address); `free(handle)` gives it back to the cache.
+    `allocated`, `reserved` (and `peak_*`, reset by `reset_peak()`) are what `torch.cuda.memory_allocated` /
+    `memory_reserved` would say: bytes in allocated blocks (rounded sizes), bytes in segments or mapped pages.
     """
 
     def __init__(
@@ -254,7 +253,8 @@ class CachingAllocator:
         self.reserved -= head.size
 
     def _release_available_cached_blocks(self, small: bool, size: int) -> bool:
-        """The smallest oversize cached block covering the request, else the largest ones until as many bytes."""
+        """The smallest oversize cached block covering the request, else the largest ones until as many
+        bytes."""
         ms = self.max_split_size
         if ms is None or self.expandable_segments:  # unset; expandable blocks are never released here
             return False
@@ -345,17 +345,17 @@ class CachingAllocator:
         """malloc's OutOfMemoryError; the hint only when the cache holds the request's bytes, in pieces."""
         unallocated = self.reserved - self.allocated
         hint = (
-            " If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
-            "True to avoid fragmentation."
+            " If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
             if not self.expandable_segments and unallocated >= size
             else ""
         )
         return torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_size(allocation_size(size))}. {self.device} has a total "
-            f"capacity of {format_size(self.capacity_bytes)} of which "
+            f"CUDA out of memory. Tried to allocate {format_size(allocation_size(size))}. {self.device} has "
+            f"a total capacity of {format_size(self.capacity_bytes)} of which "
             f"{format_size(self.capacity_bytes - self.reserved)} is free. Of the allocated memory "
-            f"{format_size(self.allocated)} is allocated by PyTorch, and "
-            f"{format_size(unallocated)} is reserved by PyTorch but unallocated.{hint} Largest free cached block: "
+            f"{format_size(self.allocated)} is allocated by PyTorch, and {format_size(unallocated)} is "
+            f"reserved by PyTorch but unallocated.{hint} Largest free cached block: "
             f"{format_size(self.largest_free_block)}; request: {format_size(nbytes)}, rounded to "
             f"{format_size(size)} (emulated caching allocator)"
         )

@@ -112,11 +112,11 @@ class MemoryBudget(compat.TorchDispatchMode):
                 elif self.allocated + size > self.limit_bytes:
                     in_use = self.allocated
                     raise torch.OutOfMemoryError(
-                        f"{self.device_name} out of memory (emulated budget). Tried to allocate {_fmt(size)}. "
-                        f"Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of which "
-                        f"{_fmt(self.limit_bytes - in_use)} is free. {_fmt(in_use)} is allocated by live tensors. "
-                        "Reduce the micro-batch, accumulate gradients, use bf16 autocast or activation "
-                        "checkpointing; see labkit.memory."
+                        f"{self.device_name} out of memory (emulated budget). Tried to allocate "
+                        f"{_fmt(size)}. Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of "
+                        f"which {_fmt(self.limit_bytes - in_use)} is free. {_fmt(in_use)} is allocated by "
+                        "live tensors. Reduce the micro-batch, accumulate gradients, use bf16 autocast or "
+                        "activation checkpointing; see labkit.memory."
                     )
                 self._seen[key] = size
                 self.allocated += size

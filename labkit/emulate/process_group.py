@@ -219,9 +219,10 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
-        start = lambda: _AllWork(
-            [compat.allgather_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)]
-        )
+
+        def start() -> _AllWork:
+            return _AllWork([compat.allgather_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)])
+
         return self._later(start, "all_gather", inputs, _nbytes(outputs), result=outputs)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
@@ -251,9 +252,12 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        start = lambda: _AllWork(
-            [compat.reduce_scatter_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)]
-        )
+
+        def start() -> _AllWork:
+            return _AllWork(
+                [compat.reduce_scatter_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)]
+            )
+
         return self._later(start, "reduce_scatter", outputs, _nbytes(inputs))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):

@@ -1,12 +1,11 @@
 """The capstone's driver: the course's one training job with two or three of its mistakes planted.
 
 `draw(seed)` deals a `Capstone`: a GPT, the job as handed over (a `labkit.training.TrainingJob` with mistakes
-of `DEALT` planted by the knobs `labkit.training.MISTAKES` names), chosen by the seed so that every learner, or
-every exam sitting, gets a different job, and the memory of the job's (emulated) GPU. `train(capstone, jobs,
-trace_dir)` measures jobs on every rank (launch it with `labkit.launch`): each job's memory inside the GPU's
-memory, its step time, its traces (`labkit.training.loop.train_jobs`). `headline` is the capstone solved by
-measurement alone, as a script.
-"""
+of `DEALT` planted by the knobs `labkit.training.MISTAKES` names), chosen by the seed so that every learner,
+or every exam sitting, gets a different job, and the memory of the job's (emulated) GPU. `train(capstone,
+jobs, trace_dir)` measures jobs on every rank (launch it with `labkit.launch`): each job's memory inside the
+GPU's memory, its step time, its traces (`labkit.training.loop.train_jobs`). `headline` is the capstone solved
+by measurement alone, as a script."""
 
 from __future__ import annotations
 
@@ -53,8 +52,8 @@ class Capstone:
 
 
 def clean_job(world_size: int) -> TrainingJob:
-    """The capstone's job with nothing planted: AdamW, DDP with 1 MiB buckets, micro-batches of 4 accumulated to
-    8 sequences per rank, a shared held-out evaluation and a local accuracy every step."""
+    """The capstone's job with nothing planted: AdamW, DDP with 1 MiB buckets, micro-batches of 4 accumulated
+    to 8 sequences per rank, a shared held-out evaluation and a local accuracy every step."""
     job = TrainingJob(global_batch=8 * world_size, micro_batch=4, accuracy="local")
     return dataclasses.replace(job, eval_samples=held_out_samples(job, world_size))
 
@@ -133,8 +132,8 @@ def step_ms(run: list[JobResult]) -> float:
 
 
 def _fit_memory(cap: Capstone, job: TrainingJob, world_size: int, headroom: float = 0.9) -> TrainingJob:
-    """`job` with the largest micro-batch whose estimate fits `headroom` of the GPU's memory, global batch kept
-    (what the notebook's exercise asks for; ValueError when not even one sequence fits)."""
+    """`job` with the largest micro-batch whose estimate fits `headroom` of the GPU's memory, global batch
+    kept (what the notebook's exercise asks for; ValueError when not even one sequence fits)."""
     share = job.global_batch // world_size
     for m in (d for d in range(share, 0, -1) if share % d == 0):
         need = estimate(
@@ -171,10 +170,10 @@ class Params(LabParams):
 
 
 def headline(w: Where, p: Params) -> LabRecords:
-    """The capstone's records, found by measurement alone: the job as handed (its micro-batch cut to the largest
-    whose estimate fits 90 % of the memory, if it runs out), then rounds of fixing the first finding of
-    `labkit.trace.findings` that names a mistake, until the traces show none; the limit is the clean job, in
-    the final launch."""
+    """The capstone's records, found by measurement alone: the job as handed (its micro-batch cut to the
+    largest whose estimate fits 90 % of the memory, if it runs out), then rounds of fixing the first finding
+    of `labkit.trace.findings` that names a mistake, until the traces show none; the limit is the clean job,
+    in the final launch."""
     cap = draw(p.capstone_seed, world_size=w.world_size)
     folder = Path(p.trace_dir).resolve()
 

@@ -3,12 +3,11 @@
 `check_capstone(cap, found, fixed)` runs the learner's fixed job and the clean job (nothing planted) in one
 launch (`labkit.experiments.capstone.train`), then, for every planted mistake, asks three things: was it named
 in `found`; does the fixed job's config no longer plant it (`labkit.training.MISTAKES`); and does the
-measurement agree (no OOM within the GPU's memory, `labkit.trace.findings` no longer shows it in the fixed job's
-traces)? It also fails on a fix that changes the job's contract (its global batch), on a mistake the fix
+measurement agree (no OOM within the GPU's memory, `labkit.trace.findings` no longer shows it in the fixed
+job's traces)? It also fails on a fix that changes the job's contract (its global batch), on a mistake the fix
 brought in, and on a fixed job more than `SLOWER_OK` times slower than the clean one. The `CapstoneReport` it
 returns (or puts in the AssertionError) has a row per planted mistake and the step time and memory of both
-jobs.
-"""
+jobs."""
 
 from __future__ import annotations
 
@@ -38,7 +37,8 @@ SLOWER_OK = (
 
 @dataclass
 class CapstoneReport:
-    """Per planted mistake: found, fixed and why; the fixed and clean jobs' step (ms) and peak memory (MiB)."""
+    """Per planted mistake: found, fixed and why; the fixed and clean jobs' step (ms) and peak memory
+    (MiB)."""
 
     rows: list[dict[str, Any]]
     problems: list[str]
@@ -133,9 +133,9 @@ def check_capstone(
     report = CapstoneReport([], [], the_cluster.label, memory_mib=cap.memory_mib)
     if fixed.global_batch != cap.job.global_batch:
         report.problems.append(
-            f"global_batch is {fixed.global_batch}, the job's is {cap.job.global_batch}: the batch the optimizer "
-            "sees is the job's contract (its learning rate was tuned for it). Keep it; change micro_batch, and "
-            "accumulation makes up the rest"
+            f"global_batch is {fixed.global_batch}, the job's is {cap.job.global_batch}: the batch the "
+            "optimizer sees is the job's contract (its learning rate was tuned for it). Keep it; change "
+            "micro_batch, and accumulation makes up the rest"
         )
     trace_dir = Path(trace_dir or tempfile.mkdtemp(prefix="capstone_check_"))
     try:
@@ -178,8 +178,8 @@ def check_capstone(
     if report.fixed_ms > SLOWER_OK * report.clean_ms:
         slow = " (activation checkpointing recomputes the forward in backward)" if fixed.checkpointing else ""
         report.problems.append(
-            f"the fixed job's step is {report.fixed_ms:.1f} ms, {report.fixed_ms / report.clean_ms:.2f}x the clean "
-            f"job's {report.clean_ms:.1f} ms (at most {SLOWER_OK}x){slow}"
+            f"the fixed job's step is {report.fixed_ms:.1f} ms, {report.fixed_ms / report.clean_ms:.2f}x the "
+            f"clean job's {report.clean_ms:.1f} ms (at most {SLOWER_OK}x){slow}"
         )
     if report.problems:
         raise AssertionError(str(report))

@@ -4,11 +4,10 @@
     torchrun --standalone --nproc-per-node 8 -m labkit.experiments.cluster_tour --out 00.json
 
 The notebook (`solutions/00_cluster_tour.ipynb`) explains it; this module runs its measurement anywhere
-(`labkit.experiments.script`): `labkit.bandwidth.bandwidth_test` at each size, nccl-tests style, and the
-limit no message size beats: the link's bandwidth (the emulated link's β; on GPUs the NVLink or PCIe figure of
-the slowest pair, `labkit.gpu_links`). Under torchrun on CPUs, gloo's loopback has no such figure: the limit is
-None and the records say why.
-"""
+(`labkit.experiments.script`): `labkit.bandwidth.bandwidth_test` at each size, nccl-tests style, and the limit
+no message size beats: the link's bandwidth (the emulated link's β; on GPUs the NVLink or PCIe figure of the
+slowest pair, `labkit.gpu_links`). Under torchrun on CPUs, gloo's loopback has no such figure: the limit is
+None and the records say why."""
 
 from __future__ import annotations
 
@@ -27,14 +26,22 @@ __all__ = ["Params", "headline"]
 class Params(LabParams):
     """Lab 00's parameters."""
 
-    world_size: int = param(2, "ranks (processes), one per GPU or emulated GPU; a collective needs two",
-                            minimum=2)
-    sizes_kib: list[float] | None = param(None, "message sizes (KiB) for the bandwidth sweep; None: 4 KiB-4 MiB "
-                                                "emulated, 4 KiB-1 GiB on GPUs", minimum=0, strict=True,
-                                          example=[4, 64, 1024])
-    iters: int = param(20, "collectives launched back to back per size, as nccl-tests does (the mean is kept)",
-                       minimum=1)
-    timeout_s: float = param(60, "every collective must finish within this many seconds", minimum=0, strict=True)
+    world_size: int = param(
+        2, "ranks (processes), one per GPU or emulated GPU; a collective needs two", minimum=2
+    )
+    sizes_kib: list[float] | None = param(
+        None,
+        "message sizes (KiB) for the bandwidth sweep; None: 4 KiB-4 MiB emulated, 4 KiB-1 GiB on GPUs",
+        minimum=0,
+        strict=True,
+        example=[4, 64, 1024],
+    )
+    iters: int = param(
+        20, "collectives launched back to back per size, as nccl-tests does (the mean is kept)", minimum=1
+    )
+    timeout_s: float = param(
+        60, "every collective must finish within this many seconds", minimum=0, strict=True
+    )
 
     LAB = "00_cluster_tour"
     TEST = {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 20}
@@ -56,18 +63,27 @@ def headline(w: Where, p: Params) -> LabRecords:
         limit = w.cluster.topology().slowest_link(list(range(w.world_size))).bandwidth_gb_s
         why = "the emulated link's β"
     elif w.on_gpu and w.nodes == 1:
-        link = (w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()).intra_node  # torchrun: detect
+        # torchrun: detect
+        link = (w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()).intra_node
         limit, why = link.bandwidth_gb_s, f"{link.name}: {LIMIT_MEANING}"
     else:
         limit = None
-        why = ("none known: gloo over this host's loopback (torchrun on CPUs) has no published link figure"
-               if not w.on_gpu else
-               "none known here: across nodes the slowest link is the network, which this script cannot read")
+        why = (
+            "none known: gloo over this host's loopback (torchrun on CPUs) has no published link figure"
+            if not w.on_gpu
+            else "none known here: across nodes the slowest link is the network, which this script cannot "
+            "read"
+        )
     return LabRecords(
-        rows[0]["busbw_GBps"], rows[-1]["busbw_GBps"], limit, "GB/s (bus bandwidth)",
-        Meaning(before=f"all_reduce bus bandwidth of the smallest message ({rows[0]['size_bytes']} bytes)",
-                after=f"bus bandwidth of the largest message ({rows[-1]['size_bytes']} bytes)",
-                limit=f"the link's bandwidth, which no message size beats: {why}"),
+        rows[0]["busbw_GBps"],
+        rows[-1]["busbw_GBps"],
+        limit,
+        "GB/s (bus bandwidth)",
+        Meaning(
+            before=f"all_reduce bus bandwidth of the smallest message ({rows[0]['size_bytes']} bytes)",
+            after=f"bus bandwidth of the largest message ({rows[-1]['size_bytes']} bytes)",
+            limit=f"the link's bandwidth, which no message size beats: {why}",
+        ),
         "all_reduce bus bandwidth: smallest vs largest message",
         {"sweep": rows},
     )

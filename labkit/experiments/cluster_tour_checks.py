@@ -16,9 +16,9 @@ def check_sum_over_ranks(results: list[Any], world_size: int) -> float:
     for rank, t in enumerate(results):
         if t is None:
             raise AssertionError(
-                f"rank {rank} returned None: dist.all_reduce(t) changes t in place and returns None (or a work "
-                "object with async_op=True). Call it without assigning its result (dist.all_reduce(t)), then "
-                "return t."
+                f"rank {rank} returned None: dist.all_reduce(t) changes t in place and returns None (or a "
+                "work object with async_op=True). Call it without assigning its result "
+                "(dist.all_reduce(t)), then return t."
             )
         if not isinstance(t, torch.Tensor):
             raise AssertionError(
@@ -28,13 +28,13 @@ def check_sum_over_ranks(results: list[Any], world_size: int) -> float:
             continue
         if torch.allclose(t, torch.full_like(t, expected / world_size)):
             raise AssertionError(
-                f"rank {rank} holds {expected / world_size:g} = the sum divided by world_size: the exercise asks "
-                "for the SUM over ranks (dist.all_reduce's default op); do not divide it."
+                f"rank {rank} holds {expected / world_size:g} = the sum divided by world_size: the exercise "
+                "asks for the SUM over ranks (dist.all_reduce's default op); do not divide it."
             )
         if torch.all(t == rank + 1):
             raise AssertionError(
-                f"rank {rank} still holds its own value {rank + 1}: nothing was reduced. Call dist.all_reduce(t) "
-                "before returning t."
+                f"rank {rank} still holds its own value {rank + 1}: nothing was reduced. Call "
+                "dist.all_reduce(t) before returning t."
             )
         raise AssertionError(
             f"rank {rank} holds {t.tolist()}, expected {expected:g} everywhere "

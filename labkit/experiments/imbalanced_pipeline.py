@@ -1,16 +1,15 @@
 """Lab 04's driver: time pipeline-parallel steps of a GPT split into stages, and what each stage did.
 
-`pipeline_steps` runs on every rank (launch it with `labkit.launch`, one rank per pipeline rank):
-for each plan (a split, a micro-batch count, a schedule) it builds the same seeded GPT everywhere, keeps
-this rank's stages of the split (`labkit.parallel.pipeline`), and runs `torch.distributed.pipelining`
-steps (GPipe, 1F1B or interleaved 1F1B) with SGD, the plans taking turns step by step; it records per step the step time, the time this rank waited, each forward and backward of each
-micro-batch (start and end on `labkit.timer.clock`: the virtual device clock on the emulated cluster),
-and the bytes it sent. It can check the first step's gradients and loss against one process running
-the whole batch, and measure the peak memory a step adds (activations in flight) on this rank.
-`summarize_pipeline` combines the ranks: step time, busy and idle time per rank, the bubble next to
-its formula, the imbalance, and the ideal pipeline's time for the same work (the limit).
-`layer_costs` measures what each layer costs (`labkit.layer_profile.profile_layers`) on one rank.
-"""
+`pipeline_steps` runs on every rank (launch it with `labkit.launch`, one rank per pipeline rank): for each
+plan (a split, a micro-batch count, a schedule) it builds the same seeded GPT everywhere, keeps this rank's
+stages of the split (`labkit.parallel.pipeline`), and runs `torch.distributed.pipelining` steps (GPipe, 1F1B
+or interleaved 1F1B) with SGD, the plans taking turns step by step; it records per step the step time, the
+time this rank waited, each forward and backward of each micro-batch (start and end on `labkit.timer.clock`:
+the virtual device clock on the emulated cluster), and the bytes it sent. It can check the first step's
+gradients and loss against one process running the whole batch, and measure the peak memory a step adds
+(activations in flight) on this rank. `summarize_pipeline` combines the ranks: step time, busy and idle time
+per rank, the bubble next to its formula, the imbalance, and the ideal pipeline's time for the same work (the
+limit). `layer_costs` measures what each layer costs (`labkit.layer_profile.profile_layers`) on one rank."""
 
 from __future__ import annotations
 
@@ -440,9 +439,9 @@ class Params(LabParams):
 
 
 def headline(w: Where, p: Params) -> LabRecords:
-    """Lab 04's records: 1F1B over one stage per rank, split by layer count with few micro-batches, then split by
-    measured layer cost (`labkit.pipeline_plan.balance`) with the micro-batches the bubble and the activation
-    memory allow; the limit is the same work perfectly balanced, mean stage cost x (m + p - 1)."""
+    """Lab 04's records: 1F1B over one stage per rank, split by layer count with few micro-batches, then split
+    by measured layer cost (`labkit.pipeline_plan.balance`) with the micro-batches the bubble and the
+    activation memory allow; the limit is the same work perfectly balanced, mean stage cost x (m + p - 1)."""
     config = p.config()
     stages = w.world_size
     one = profile_layers(seeded_model(config), *synthetic_batch(config, 1), repeats=1)  # sizes only
@@ -454,7 +453,8 @@ def headline(w: Where, p: Params) -> LabRecords:
         memory_bytes=p.activation_mib * 2**20,
         activation_bytes_per_sample=sum(layer.activation_bytes for layer in one) / stages,
     )
-    # Every rank profiles (they share the machine as in the run); rank 0's costs, gathered, split on every rank.
+    # Every rank profiles (they share the machine as in the run); rank 0's costs, gathered, split on every
+    # rank.
     costs = [
         layer.ms for layer in w.launch(layer_costs, config, p.global_batch // m, timeout_s=p.timeout_s)[0]
     ]

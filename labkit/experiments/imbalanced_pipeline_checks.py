@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["check_balance"]
 
@@ -16,7 +17,7 @@ def _best_bottleneck(costs: Sequence[float], stages: int) -> float:
     n, best = len(costs), math.inf
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
-        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
     return best
 
 
@@ -34,63 +35,62 @@ _BALANCE_CASES = [
 ]
 
 
-def check_balance(fn: Callable[[list[float], int], list[int]], seed: int = 0) -> int:
-    """Lab 04: `fn(costs, stages)` returns the layers per stage of the contiguous split whose most expensive
-    stage is cheapest (equal to brute force), and refuses impossible input. Returns the cases checked."""
-    rng = random.Random(seed)
-    cases = list(_BALANCE_CASES)
-    for _ in range(30):
-        n = rng.randint(2, 9)
-        cases.append(([round(rng.uniform(0.5, 9.0), 2) for _ in range(n)], rng.randint(1, n)))
-    for costs, stages in cases:
-        got = fn(list(costs), stages)
-        n = len(costs)
-        if got is None:
-            raise AssertionError(
-                f"{fn.__name__}({costs}, {stages}) returned None: return the list of layers per stage"
-            )
-        got = list(got)
-        if (
-            len(got) == stages
-            and all(isinstance(k, int) for k in got)
-            and got == sorted(got)
-            and got[-1] == n
-            and (stages == 1 or got[0] > 0)
-            and sum(got) != n
-        ):
-            raise AssertionError(
-                f"{fn.__name__}({costs}, {stages}) returned {got}: these look like cut positions (where each stage "
-                f"ends). Return how many layers each stage has, e.g. [2, 3] for cuts [2, 5]; they add up to {n}."
-            )
-        if len(got) != stages:
-            raise AssertionError(
-                f"{fn.__name__}({costs}, {stages}) returned {got}: one number per stage, {stages} "
-                f"numbers, each the count of consecutive layers in that stage."
-            )
-        if any(not isinstance(k, int) or k < 1 for k in got) or sum(got) != n:
-            raise AssertionError(
-                f"{fn.__name__}({costs}, {stages}) returned {got}: every stage needs at least one layer and the "
-                f"counts must add up to the {n} layers. In the dynamic programme, stage k can only end after "
-                "layer k (leave one layer for each stage before it)."
-            )
-        best = _best_bottleneck(costs, stages)
-        start, mine = 0, []
-        for k in got:
-            mine.append(sum(costs[start : start + k]))
-            start += k
-        if max(mine) > best + 1e-9:
-            even = [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
-            why = (
-                "that is the split by layer count, which ignores what the layers cost"
-                if got == even
-                else "filling each stage up to the average and moving on (greedy) is not optimal, since a cut decided "
-                "early cannot be undone, and the quantity to minimise is the most expensive stage (a max, not a "
-                "sum). Exactly: best[k][i] = min over j of max(best[k-1][j], cost of layers j..i-1)"
-            )
-            raise AssertionError(
-                f"{fn.__name__}({costs}, {stages}) returned {got}, whose most expensive stage costs "
-                f"{max(mine):g}; the best split's costs {best:g}: {why}."
-            )
+def _check_shape(name: str, costs: list[float], stages: int, got: Any) -> list[int]:
+    """`got` as a list of layers per stage, or AssertionError naming the shape's mistake."""
+    call, n = f"{name}({costs}, {stages})", len(costs)
+    if got is None:
+        raise AssertionError(f"{call} returned None: return the list of layers per stage")
+    got = list(got)
+    ints = all(isinstance(k, int) for k in got)
+    if (
+        len(got) == stages
+        and ints
+        and got == sorted(got)
+        and got[-1] == n
+        and (stages == 1 or got[0] > 0)
+        and sum(got) != n
+    ):
+        raise AssertionError(
+            f"{call} returned {got}: these look like cut positions (where each stage ends). Return how many "
+            f"layers each stage has, e.g. [2, 3] for cuts [2, 5]; they add up to {n}."
+        )
+    if len(got) != stages:
+        raise AssertionError(
+            f"{call} returned {got}: one number per stage, {stages} numbers, each the count "
+            "of consecutive layers in that stage."
+        )
+    if not ints or any(k < 1 for k in got) or sum(got) != n:
+        raise AssertionError(
+            f"{call} returned {got}: every stage needs at least one layer and the counts must add up to the "
+            f"{n} layers. In the dynamic programme, stage k can only end after layer k (leave one layer for "
+            "each stage before it)."
+        )
+    return got
+
+
+def _check_cost(name: str, costs: list[float], stages: int, got: list[int]) -> None:
+    """AssertionError unless `got`'s most expensive stage is the cheapest possible, saying which mistake."""
+    best = _best_bottleneck(costs, stages)
+    bounds = [0, *itertools.accumulate(got)]
+    worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+    if worst <= best + 1e-9:
+        return
+    n = len(costs)
+    even = [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
+    greedy = (
+        "filling each stage up to the average and moving on (greedy) is not optimal, since a cut decided "
+        "early cannot be undone, and the quantity to minimise is the most expensive stage (a max, not a "
+        "sum). Exactly: best[k][i] = min over j of max(best[k-1][j], cost of layers j..i-1)"
+    )
+    why = "that is the split by layer count, which ignores what the layers cost" if got == even else greedy
+    raise AssertionError(
+        f"{name}({costs}, {stages}) returned {got}, whose most expensive stage costs "
+        f"{worst:g}; the best split's costs {best:g}: {why}."
+    )
+
+
+def _check_refusals(fn: Callable[[list[float], int], list[int]]) -> None:
+    """AssertionError unless `fn` raises ValueError for input no split can honour."""
     for bad, what in (
         (([1.0, 2.0], 3), "more stages than layers"),
         (([1.0, 0.0, 2.0], 2), "a cost of 0"),
@@ -103,11 +103,25 @@ def check_balance(fn: Callable[[list[float], int], list[int]], seed: int = 0) ->
             continue
         except Exception as exc:
             raise AssertionError(
-                f"{fn.__name__}{bad} ({what}) raised {type(exc).__name__}: {exc}; raise ValueError "
-                "with the value, the constraint and the fix"
+                f"{fn.__name__}{bad} ({what}) raised {type(exc).__name__}: {exc}; raise "
+                "ValueError with the value, the constraint and the fix"
             ) from exc
         raise AssertionError(
-            f"{fn.__name__}{bad} ({what}) returned {got!r}: raise ValueError saying which value is "
-            "wrong and what would be right (e.g. 'stages=3 is more than the 2 layers')"
+            f"{fn.__name__}{bad} ({what}) returned {got!r}: raise ValueError saying which value "
+            "is wrong and what would be right (e.g. 'stages=3 is more than the 2 layers')"
         )
+
+
+def check_balance(fn: Callable[[list[float], int], list[int]], seed: int = 0) -> int:
+    """Lab 04: `fn(costs, stages)` returns the layers per stage of the contiguous split whose most expensive
+    stage is cheapest (equal to brute force), and refuses impossible input. Returns the cases checked."""
+    rng = random.Random(seed)
+    cases = list(_BALANCE_CASES)
+    for _ in range(30):
+        n = rng.randint(2, 9)
+        cases.append(([round(rng.uniform(0.5, 9.0), 2) for _ in range(n)], rng.randint(1, n)))
+    for costs, stages in cases:
+        got = _check_shape(fn.__name__, costs, stages, fn(list(costs), stages))
+        _check_cost(fn.__name__, costs, stages, got)
+    _check_refusals(fn)
     return len(cases)

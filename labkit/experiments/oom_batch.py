@@ -126,16 +126,16 @@ def dp_train(
     """Data-parallel training steps of ``GPT(config)`` on this rank; run it with ``labkit.launch``.
 
     Each optimizer step processes one global batch: ``micro_batch`` samples x ``accumulation_steps(...)``
-    micro-steps x world_size ranks, through ``accumulate(ddp, batches)`` (default ``accumulate_with_no_sync``),
-    then Adam. DDP keeps the gradients in its buckets (``gradient_as_bucket_view=True``, no second copy) and
-    they are zeroed in place: with ``set_to_none=True`` the gradients of micro-steps under ``no_sync`` are new
-    tensors next to the buckets (measured: +1 gradient copy, 57.1 instead of 53.5 MiB on a 3.6 MiB-gradient
-    model). A comm hook counts DDP's bucket all-reduces. Step 1 creates Adam's states and lets DDP rebuild its
-    buckets in gradient order (torch 2.13 puts all parameters in one bucket for the first step), so the
-    counts and the peak come from the last step. ``breakdown`` runs that step under ``measure`` (MemTracker);
-    ``return_grads`` returns step 1's gradients (before any update), flattened in parameter order, as a host
-    copy. Where nothing else counts memory (a torchrun rank on CPUs) a budget that only counts does.
-    """
+    micro-steps x world_size ranks, through ``accumulate(ddp, batches)`` (default
+    ``accumulate_with_no_sync``), then Adam. DDP keeps the gradients in its buckets
+    (``gradient_as_bucket_view=True``, no second copy) and they are zeroed in place: with ``set_to_none=True``
+    the gradients of micro-steps under ``no_sync`` are new tensors next to the buckets (measured: +1 gradient
+    copy, 57.1 instead of 53.5 MiB on a 3.6 MiB-gradient model). A comm hook counts DDP's bucket all-reduces.
+    Step 1 creates Adam's states and lets DDP rebuild its buckets in gradient order (torch 2.13 puts all
+    parameters in one bucket for the first step), so the counts and the peak come from the last step.
+    ``breakdown`` runs that step under ``measure`` (MemTracker); ``return_grads`` returns step 1's gradients
+    (before any update), flattened in parameter order, as a host copy. Where nothing else counts memory (a
+    torchrun rank on CPUs) a budget that only counts does."""
     if not dist.is_initialized():
         raise ValueError("dp_train runs on a rank: call it as labkit.launch(dp_train, config, ...)")
     validate.positive_int("optimizer_steps", optimizer_steps, "dp_train(config, 64, 16, optimizer_steps=2)")
@@ -333,13 +333,14 @@ class Params(LabParams):
 
 
 def headline(w: Where, p: Params) -> LabRecords:
-    """Lab 02's records: peak memory per rank of the step as first written and with the fixes, against the memory.
+    """Lab 02's records: peak memory per rank of the step as first written and with the fixes, against the
+    memory.
 
     The fixed step: bf16 autocast and activation checkpointing at the largest micro-batch whose estimate
     (`labkit.memory.estimate`) fits `memory_mib`, accumulated under `no_sync` to the same global batch. On the
-    emulated cluster the fixed step runs inside the budget (an OOM would raise); under torchrun nothing caps the
-    memory (the cap is set once per process, when its group is made), so both peaks are measured and compared.
-    """
+    emulated cluster the fixed step runs inside the budget (an OOM would raise); under torchrun nothing caps
+    the memory (the cap is set once per process, when its group is made), so both peaks are measured and
+    compared."""
     config = p.config()
     per_rank = p.global_batch // w.world_size
     estimates = {

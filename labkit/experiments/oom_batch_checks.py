@@ -21,16 +21,16 @@ def check_accumulation(results: list[Any], reference: torch.Tensor, steps: int) 
     r0 = results[0]
     if r0.allreduce_calls == 0:
         raise AssertionError(
-            "no all-reduce in the optimizer step: every backward ran inside no_sync(), so each rank kept only its "
-            "own gradients. Run the last micro-batch outside `with ddp.no_sync():`; its backward all-reduces the "
-            "accumulated sum."
+            "no all-reduce in the optimizer step: every backward ran inside no_sync(), so each rank kept "
+            "only its own gradients. Run the last micro-batch outside `with ddp.no_sync():`; its backward "
+            "all-reduces the accumulated sum."
         )
     if error >= 1e-5:
         g = results[0].grads
         if steps > 1 and _scaled(g, reference, (steps - 1) / steps):
             raise AssertionError(
-                f"the gradients are {steps - 1}/{steps} of the big batch's: one micro-batch is missing. Run forward "
-                "and backward for every (x, y) in batches, the last one included (outside no_sync)."
+                f"the gradients are {steps - 1}/{steps} of the big batch's: one micro-batch is missing. Run "
+                "forward and backward for every (x, y) in batches, the last one included (outside no_sync)."
             )
         if _scaled(g, reference, steps):
             raise AssertionError(
@@ -43,8 +43,9 @@ def check_accumulation(results: list[Any], reference: torch.Tensor, steps: int) 
         )
     if r0.allreduce_calls != r0.buckets:
         raise AssertionError(
-            f"{r0.allreduce_calls} all-reduces for {r0.buckets} buckets in one optimizer step: DDP all-reduced on "
-            "every micro-step. Every micro-batch but the last must run inside `with ddp.no_sync():`, its forward "
-            "as well as its backward (DDP decides in forward whether the next backward synchronises)."
+            f"{r0.allreduce_calls} all-reduces for {r0.buckets} buckets in one optimizer step: DDP "
+            "all-reduced on every micro-step. Every micro-batch but the last must run inside `with "
+            "ddp.no_sync():`, its forward as well as its backward (DDP decides in forward whether the next "
+            "backward synchronises)."
         )
     return error

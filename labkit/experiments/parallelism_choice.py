@@ -1,8 +1,8 @@
 """Lab 01's driver: train the same GPT under a dp x tp x pp layout and measure its step and its traffic.
 
 `layout_steps` runs on every rank (launch it with `labkit.launch` on world_size = dp x tp x pp): it creates
-the layout's groups (`labkit.parallel.layout`), builds the seeded GPT, splits its blocks over the tp group
-(`labkit.parallel.tensor`), cuts it into pp stages run by 1F1B (`labkit.parallel.pipeline`), and keeps only
+the layout's groups (`labkit.layout`, `labkit.parallel.groups`), builds the seeded GPT, splits its blocks over
+the tp group (`labkit.parallel.tensor`), cuts it into pp stages run by 1F1B (`labkit.parallel.pipeline`), and keeps only
 its own layers, so the emulated memory budget sees what a GPU would hold. Each step a replica trains on its
 rows of the global batch in micro-batches (pipeline micro-batches, or gradient accumulation when pp == 1),
 then one flat all-reduce averages the gradients over the dp group (not overlapped: lab 03 shows how to hide
@@ -25,17 +25,26 @@ from labkit import device_memory, runtime, timer
 from labkit.cluster import Cluster
 from labkit.experiments.params import LabParams, ParamError, param
 from labkit.experiments.script import LabRecords, Meaning, Where, emulated_cluster, run_lab
+from labkit.layout import Layout
 from labkit.links import Link, Topology, bus_bandwidth_factor
 from labkit.memory import estimate
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
-from labkit.parallel.layout import Layout, RankGroups, make_groups
+from labkit.parallel.groups import RankGroups, make_groups
 from labkit.parallel.pipeline import StageLog, clock_stages, even_split, make_schedule, pipeline_stages
 from labkit.parallel.tensor import TPStats, shard_state, tensor_parallel
 from labkit.planner import Rates, forward_flops_per_token, plan, spearman
 from labkit.training.reference import Reference, rank_rows
 
-__all__ = ["LayoutRankResult", "LayoutSummary", "Params", "headline", "layout_steps", "measure_rates",
-           "median_rates", "summarize_layout"]
+__all__ = [
+    "LayoutRankResult",
+    "LayoutSummary",
+    "Params",
+    "headline",
+    "layout_steps",
+    "measure_rates",
+    "median_rates",
+    "summarize_layout",
+]
 
 
 @dataclass
@@ -76,7 +85,7 @@ def _dp_all_reduce(params: list[torch.Tensor], process_group: dist.ProcessGroup 
     flat.div_(dp)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return flat.numel() * flat.element_size()
 
@@ -94,13 +103,21 @@ def _topology() -> Topology:
 class _LayoutRun:
     """One layout on this rank: its groups, its shard of the seeded GPT (tp) and its stage (pp), Adam."""
 
-    def __init__(self, config: GPTConfig, layout: Layout, global_batch: int, micro_batch: int, seed: int,
-                 lr: float) -> None:
+    def __init__(
+        self, config: GPTConfig, layout: Layout, global_batch: int, micro_batch: int, seed: int, lr: float
+    ) -> None:
         if global_batch % (layout.dp * micro_batch):
-            raise ValueError(f"global_batch={global_batch} must split into dp={layout.dp} replicas of "
-                             f"micro-batches of {micro_batch}: use a multiple of {layout.dp * micro_batch}")
+            raise ValueError(
+                f"global_batch={global_batch} must split into dp={layout.dp} replicas of "
+                f"micro-batches of {micro_batch}: use a multiple of {layout.dp * micro_batch}"
+            )
         self.config, self.layout, self.global_batch, self.micro_batch, self.seed = (
-            config, layout, global_batch, micro_batch, seed)
+            config,
+            layout,
+            global_batch,
+            micro_batch,
+            seed,
+        )
         self.groups: RankGroups = make_groups(layout)
         self.m = global_batch // layout.dp // micro_batch
         self.dev = runtime.device()
@@ -123,8 +140,15 @@ class _LayoutRun:
     def forward_backward(self, step: int) -> list[torch.Tensor]:
         """The replica's rows of global batch `step`, forward and backward in micro-batches; its losses."""
         c = self.groups.coords
-        x, y = rank_rows(self.config, self.global_batch, c["dp"], self.layout.dp, step=step, seed=self.seed,
-                         device=self.dev)
+        x, y = rank_rows(
+            self.config,
+            self.global_batch,
+            c["dp"],
+            self.layout.dp,
+            step=step,
+            seed=self.seed,
+            device=self.dev,
+        )
         losses: list = []
         if self.schedule is not None:
             kwargs = {"return_outputs": False}
@@ -154,24 +178,44 @@ class _LayoutRun:
         return error, abs(mine.item() - reference.loss)
 
     def kind_bytes(self, dp_bytes: int) -> dict[str, int]:
-        """Bytes each parallelism put on the wire in the last step (ring all-reduce: 2(n-1)/n of the buffer)."""
+        """Bytes each parallelism put on the wire in the last step (ring all-reduce: 2(n-1)/n of the
+        buffer)."""
         tp, dp = self.layout.tp, self.layout.dp
-        return {"tp": int(self.tp_stats.bytes * (bus_bandwidth_factor("all_reduce", tp) if tp > 1 else 0)),
-                "pp": self.log.sent_bytes if self.log is not None else 0,
-                "dp": int(dp_bytes * (bus_bandwidth_factor("all_reduce", dp) if dp > 1 else 0))}
+        return {
+            "tp": int(self.tp_stats.bytes * (bus_bandwidth_factor("all_reduce", tp) if tp > 1 else 0)),
+            "pp": self.log.sent_bytes if self.log is not None else 0,
+            "dp": int(dp_bytes * (bus_bandwidth_factor("all_reduce", dp) if dp > 1 else 0)),
+        }
 
 
-def layout_steps(config: GPTConfig, layout: Layout, global_batch: int, micro_batch: int, *, steps: int = 3,
-                 warmup: int = 1, seed: int = 0, lr: float = 1e-3,
-                 reference: Reference | None = None) -> LayoutRankResult:
+def layout_steps(
+    config: GPTConfig,
+    layout: Layout,
+    global_batch: int,
+    micro_batch: int,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+    lr: float = 1e-3,
+    reference: Reference | None = None,
+) -> LayoutRankResult:
     """Train `steps` + `warmup` steps under `layout` on this rank; see the module docstring.
 
     `reference`: `labkit.training.reference.reference_gradients(config, global_batch, seed=seed)` (computed
     once, by the caller), to compare this rank's first-step gradients and loss with."""
     run = _LayoutRun(config, layout, global_batch, micro_batch, seed, lr)
     cluster = runtime.current_cluster()
-    result = LayoutRankResult(dist.get_rank(), str(layout), run.groups.coords, [], {"intra": 0, "inter": 0},
-                              {}, sum(p.numel() for p in run.params), label=cluster.label if cluster else "")
+    result = LayoutRankResult(
+        dist.get_rank(),
+        str(layout),
+        run.groups.coords,
+        [],
+        {"intra": 0, "inter": 0},
+        {},
+        sum(p.numel() for p in run.params),
+        label=cluster.label if cluster else "",
+    )
     device_memory.reset_peak_memory_stats()
     dp_bytes = 0
     for step in range(warmup + steps):
@@ -209,13 +253,22 @@ def summarize_layout(results: list[LayoutRankResult]) -> LayoutSummary:
     peaks = [r.peak_bytes for r in results if r.peak_bytes is not None]
     errors = [r.grad_error for r in results if r.grad_error is not None]
     losses = [r.loss_error for r in results if r.loss_error is not None]
-    return LayoutSummary(results[0].layout, statistics.median(steps), steps, links, kinds,
-                         max(peaks) / 2**20 if peaks else None, max(errors) if errors else None,
-                         max(losses) if losses else None, results[0].label)
+    return LayoutSummary(
+        results[0].layout,
+        statistics.median(steps),
+        steps,
+        links,
+        kinds,
+        max(peaks) / 2**20 if peaks else None,
+        max(errors) if errors else None,
+        max(losses) if losses else None,
+        results[0].label,
+    )
 
 
 def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: int = 0) -> Rates:
-    """This rank's speed on the model: its FLOP/s in forward + backward at `micro_batch`, and Adam's seconds per
+    """This rank's speed on the model: its FLOP/s in forward + backward at `micro_batch`, and Adam's seconds
+    per
     parameter, best of `repeats`, on the rank's timer (`labkit.timer.clock`: CPU time on the virtual clock,
     the synchronised wall clock on a GPU)."""
     dev = runtime.device()
@@ -235,17 +288,24 @@ def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: i
         best_fb, best_opt = min(best_fb, t1 - t0), min(best_opt, t2 - t1)
     n = config.num_params()
     where = "this GPU" if dev.type == "cuda" else "this CPU"
-    return Rates(flops / best_fb, best_opt / n,
-                 f"measured on {where}: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
-                 f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter")
+    return Rates(
+        flops / best_fb,
+        best_opt / n,
+        f"measured on {where}: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
+        f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter",
+    )
 
 
 def median_rates(per_rank: list[Rates]) -> Rates:
     """One `Rates` from every rank's `measure_rates` (run together, so they shared the cores as in a run)."""
     flops = statistics.median(r.flops_per_s for r in per_rank)
     opt = statistics.median(r.optimizer_s_per_param for r in per_rank)
-    return Rates(flops, opt, f"measured on {len(per_rank)} ranks at once: {flops / 1e9:.1f} GFLOP/s per rank in "
-                             f"forward + backward, Adam {opt * 1e9:.2f} ns per parameter (medians)")
+    return Rates(
+        flops,
+        opt,
+        f"measured on {len(per_rank)} ranks at once: {flops / 1e9:.1f} GFLOP/s per rank in "
+        f"forward + backward, Adam {opt * 1e9:.2f} ns per parameter (medians)",
+    )
 
 
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
@@ -255,28 +315,49 @@ def median_rates(per_rank: list[Rates]) -> Rates:
 class Params(LabParams):
     """Lab 01's parameters."""
 
-    cluster: str = param("cpu", "the emulated cluster (cpu): this lab needs two nodes; auto or gpu under "
-                         "torchrun", choices=("auto", "cpu", "gpu"))
+    cluster: str = param(
+        "cpu",
+        "the emulated cluster (cpu): this lab needs two nodes; auto or gpu under torchrun",
+        choices=("auto", "cpu", "gpu"),
+    )
     world_size: int = param(8, "GPUs in all (emulated: nodes x world_size / nodes)", minimum=1)
     nodes: int = param(2, "emulated nodes (under torchrun: torchrun's)", minimum=1)
-    memory_mib: float | None = param(None, "memory of each emulated GPU, MiB (None: 70 % of what plain data "
-                                           "parallelism needs, so that it does not fit)", minimum=0, strict=True,
-                                     example=28)
+    memory_mib: float | None = param(
+        None,
+        "memory of each emulated GPU, MiB (None: 70 % of what plain data "
+        "parallelism needs, so that it does not fit)",
+        minimum=0,
+        strict=True,
+        example=28,
+    )
     n_layers: int = param(8, "GPT blocks", minimum=1)
     d_model: int = param(128, "width (tensor parallelism splits it)", minimum=1)
-    n_heads: int | None = param(None, "attention heads, split by tensor parallelism (None: 8, or the ranks if "
-                                      "more)", minimum=1, example=8)
+    n_heads: int | None = param(
+        None,
+        "attention heads, split by tensor parallelism (None: 8, or the ranks if more)",
+        minimum=1,
+        example=8,
+    )
     vocab_size: int = param(1024, "vocabulary", minimum=2)
     seq_len: int = param(64, "tokens per sequence", minimum=2)
     global_batch: int = param(32, "sequences per step, all replicas together", minimum=1)
     micro_batches: list[int] = param([4, 8], "micro-batch sizes the planner may choose", minimum=1)
     steps: int = param(2, "measured steps per layout (after one warm-up step)", minimum=1)
-    timeout_s: float = param(120, "every collective must finish within this many seconds", minimum=0, strict=True)
+    timeout_s: float = param(
+        120, "every collective must finish within this many seconds", minimum=0, strict=True
+    )
 
     LAB = "01_parallelism_choice"
     TEST = {"cluster": "cpu", "steps": 1}
-    SMOKE = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "seq_len": 16, "global_batch": 8,
-             "micro_batches": [2, 4], "steps": 1}
+    SMOKE = {
+        "n_layers": 2,
+        "d_model": 32,
+        "vocab_size": 256,
+        "seq_len": 16,
+        "global_batch": 8,
+        "micro_batches": [2, 4],
+        "steps": 1,
+    }
 
     def resolve(self, *, on_gpu: bool = False) -> Params:
         w = self.world_size
@@ -284,23 +365,36 @@ class Params(LabParams):
         why = f"the mistake, tensor parallelism over all {w} ranks, splits the heads and the width"
         p.check_multiple("n_heads", w, why)
         p.check_multiple("d_model", w, why)
-        p.check_multiple("d_model", p.n_heads, f"each of the n_heads={p.n_heads} heads gets d_model / n_heads")
+        p.check_multiple(
+            "d_model", p.n_heads, f"each of the n_heads={p.n_heads} heads gets d_model / n_heads"
+        )
         if p.memory_mib is None:
-            plain = estimate(model=p.config(), dp=w, precision="fp32", optimizer="adam",
-                             micro_batch=p.micro_batches[0]).peak
+            plain = estimate(
+                model=p.config(), dp=w, precision="fp32", optimizer="adam", micro_batch=p.micro_batches[0]
+            ).peak
             p = replace(p, memory_mib=float(round(0.7 * plain / 2**20)))
         return p
 
     def for_nodes(self, nodes: int) -> Params:
         """Checked for `nodes` nodes sharing the ranks (the emulated cluster's; torchrun's)."""
         if self.world_size % nodes:
-            raise ParamError("world_size", self.world_size, f"a multiple of nodes={nodes}",
-                             nodes * max(1, self.world_size // nodes), why="every node holds as many GPUs")
+            raise ParamError(
+                "world_size",
+                self.world_size,
+                f"a multiple of nodes={nodes}",
+                nodes * max(1, self.world_size // nodes),
+                why="every node holds as many GPUs",
+            )
         return self
 
     def config(self) -> GPTConfig:
-        return GPTConfig(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads or 8,
-                         vocab_size=self.vocab_size, seq_len=self.seq_len)
+        return GPTConfig(
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads or 8,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+        )
 
 
 def _described(w: Where, p: Params) -> Cluster:
@@ -316,7 +410,8 @@ def _described(w: Where, p: Params) -> Cluster:
 
 
 def headline(w: Where, p: Params) -> LabRecords:
-    """Lab 01's records: tensor parallelism over every rank (the mistake), the planner's pick, the best measured.
+    """Lab 01's records: tensor parallelism over every rank (the mistake), the planner's pick, the best
+    measured.
 
     The planner plans for these ranks with `memory_mib` per GPU and this machine's measured rates; every
     layout it accepts is measured, and the mistake.
@@ -327,12 +422,31 @@ def headline(w: Where, p: Params) -> LabRecords:
     config = p.config()
 
     def run(layout: Layout, micro_batch: int) -> LayoutSummary:
-        return summarize_layout(w.launch(layout_steps, config, layout, p.global_batch, micro_batch, steps=p.steps,
-                                         warmup=1, timeout_s=p.timeout_s, deadline_s=p.timeout_s * 3))
+        return summarize_layout(
+            w.launch(
+                layout_steps,
+                config,
+                layout,
+                p.global_batch,
+                micro_batch,
+                steps=p.steps,
+                warmup=1,
+                timeout_s=p.timeout_s,
+                deadline_s=p.timeout_s * 3,
+            )
+        )
 
     rates = median_rates(w.launch(measure_rates, config, p.micro_batches[0], timeout_s=p.timeout_s))
-    the_plan = plan(config, _described(w, p), p.global_batch, precision="fp32", rates=rates,
-                    micro_batch_sizes=p.micro_batches, zero_stages=(0,), checkpointing=(False,))
+    the_plan = plan(
+        config,
+        _described(w, p),
+        p.global_batch,
+        precision="fp32",
+        rates=rates,
+        micro_batch_sizes=p.micro_batches,
+        zero_stages=(0,),
+        checkpointing=(False,),
+    )
     pick = the_plan.best
     tp_all = Layout(tp=w.world_size)
     measured = {str(tp_all): run(tp_all, p.micro_batches[-1])}
@@ -340,21 +454,39 @@ def headline(w: Where, p: Params) -> LabRecords:
         if c.ok:
             measured[str(c.layout)] = run(c.layout, c.micro_batch)
     predicted = {str(c.layout): c.predicted_ms for c in the_plan.candidates if str(c.layout) in measured}
-    rows = [{"layout": name, "predicted_ms": predicted.get(name), "measured_ms": m.step_ms,
-             "inter_MiB": m.link_bytes["inter"] / 2**20, "intra_MiB": m.link_bytes["intra"] / 2**20}
-            for name, m in measured.items()]
+    rows = [
+        {
+            "layout": name,
+            "predicted_ms": predicted.get(name),
+            "measured_ms": m.step_ms,
+            "inter_MiB": m.link_bytes["inter"] / 2**20,
+            "intra_MiB": m.link_bytes["intra"] / 2**20,
+        }
+        for name, m in measured.items()
+    ]
     ranked = [r for r in rows if r["predicted_ms"] is not None]
     best = min(rows, key=lambda r: r["measured_ms"])
     return LabRecords(
-        measured[str(tp_all)].step_ms, measured[str(pick.layout)].step_ms, best["measured_ms"], "ms",
-        Meaning(before=f"step time of tensor parallelism over all {w.world_size} ranks of {w.nodes} node(s)",
-                after=f"step time of the planner's pick, {pick.layout}",
-                limit=f"the fastest layout measured, {best['layout']}"),
+        measured[str(tp_all)].step_ms,
+        measured[str(pick.layout)].step_ms,
+        best["measured_ms"],
+        "ms",
+        Meaning(
+            before=f"step time of tensor parallelism over all {w.world_size} ranks of {w.nodes} node(s)",
+            after=f"step time of the planner's pick, {pick.layout}",
+            limit=f"the fastest layout measured, {best['layout']}",
+        ),
         "step time of one model under data x tensor x pipeline layouts, predicted and measured",
-        {"pick": str(pick.layout), "rates": rates.source,
-         "spearman": spearman([r["predicted_ms"] for r in ranked], [r["measured_ms"] for r in ranked])
-         if len(ranked) > 1 else None,
-         "sweep": rows, "plan": [c.row() for c in the_plan.candidates], "memory_mib": p.memory_mib},
+        {
+            "pick": str(pick.layout),
+            "rates": rates.source,
+            "spearman": spearman([r["predicted_ms"] for r in ranked], [r["measured_ms"] for r in ranked])
+            if len(ranked) > 1
+            else None,
+            "sweep": rows,
+            "plan": [c.row() for c in the_plan.candidates],
+            "memory_mib": p.memory_mib,
+        },
     )
 
 

@@ -47,9 +47,9 @@ def check_tp_comm(fn: Callable[..., float]) -> None:
             )
         if math.isclose(got, shard, rel_tol=0.05) or math.isclose(ratio, 1 / tp, rel_tol=0.05):
             raise AssertionError(
-                f"{where}: you gave {got:.3f} ms for {want:.3f} ms, as if each rank all-reduced a 1/tp shard. The tensor each rank "
-                "all-reduces is the whole activation (micro_batch x seq x d_model), not a 1/tp shard: "
-                "each rank holds a partial sum of all of it."
+                f"{where}: you gave {got:.3f} ms for {want:.3f} ms, as if each rank all-reduced a 1/tp "
+                "shard. The tensor each rank all-reduces is the whole activation (micro_batch x seq x "
+                "d_model), not a 1/tp shard: each rank holds a partial sum of all of it."
             )
         if math.isclose(ratio, 1 / config.n_layers, rel_tol=0.05):
             raise AssertionError(
@@ -67,8 +67,8 @@ def check_tp_comm(fn: Callable[..., float]) -> None:
 
 def check_layout_choice(layout: Any, reason: str, plan: Any) -> Any:
     """Lab 01: `layout` = (dp, tp, pp) is a layout of `plan` that divides, fits, keeps tp inside a node and is
-    within 10 % of the fastest prediction; `reason` quotes its predicted ms and its memory per GPU in MiB (each
-    within 5 %). Returns the layout's `labkit.planner.Candidate`."""
+    within 10 % of the fastest prediction; `reason` quotes its predicted ms and its memory per GPU in MiB
+    (each within 5 %). Returns the layout's `labkit.planner.Candidate`."""
 
     if not (isinstance(layout, tuple) and len(layout) == 3 and all(isinstance(v, int) for v in layout)):
         raise AssertionError(

@@ -7,10 +7,10 @@
 
 Everything else reads them from there: `labkit build` writes the notebook's parameters cell from the fields
 (their defaults and docs), the notebook checks what papermill injected with `Params.from_cell(globals())`,
-`python -m` / `torchrun -m labkit.experiments.<lab>` takes `--set KEY VALUE` for any field (`--help` lists them
-with their docs), `labkit run -p KEY VALUE` is checked before a kernel starts, and the tests take their small
-runs from `Params.TEST` and `Params.SMOKE` (torchtitan's typed config with one docstring per field is the
-model).
+`python -m` / `torchrun -m labkit.experiments.<lab>` takes `--set KEY VALUE` for any field (`--help` lists
+them with their docs), `labkit run -p KEY VALUE` is checked before a kernel starts, and the tests take their
+small runs from `Params.TEST` and `Params.SMOKE` (torchtitan's typed config with one docstring per field is
+the model).
 
 Checks happen when an instance is made (`__post_init__`): every field by its type and range, then the lab's
 own `check()` across fields. The error is a `labkit.validate.ParamError` with the value, the constraint and a
@@ -93,8 +93,11 @@ def _conforms(value: Any, kind: Any) -> bool:
 class LabParams:
     """The parameters every lab has; each lab's `Params` subclasses it and adds its own."""
 
-    cluster: str = param("auto", "auto: NCCL if this machine has a GPU per rank, else the emulated cluster (cpu)",
-                         choices=("auto", "cpu", "gpu"))
+    cluster: str = param(
+        "auto",
+        "auto: NCCL if this machine has a GPU per rank, else the emulated cluster (cpu)",
+        choices=("auto", "cpu", "gpu"),
+    )
 
     LAB: ClassVar[str] = ""  # "03_unoverlapped_comms"
     RANKS: ClassVar[str | None] = "world_size"  # the field that holds the ranks (None: the lab picks its own)
@@ -206,8 +209,8 @@ class LabParams:
         return dataclasses.replace(self, **{self.RANKS: ranks})
 
     def resolve(self: P, *, on_gpu: bool = False) -> P:
-        """Fill in the defaults that depend on the ranks (and on whether they are GPUs); check what needs them.
-        Labs with such defaults override it; it returns `self` unchanged here."""
+        """Fill in the defaults that depend on the ranks (and on whether they are GPUs); check what needs
+        them. Labs with such defaults override it; it returns `self` unchanged here."""
         return self
 
     def as_dict(self) -> dict[str, Any]:

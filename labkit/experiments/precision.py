@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 from labkit import runtime, validate
-from labkit.models import seeded_model
 from labkit.measured_memory import free_memory, measure
-from labkit.models import GPTConfig, synthetic_batch
+from labkit.models import GPTConfig, seeded_model, synthetic_batch
 
 __all__ = ["VARIANTS", "compare_precisions", "forced_overflow"]
 

@@ -30,7 +30,9 @@ def lab_name(key: str) -> str:
     """The lab `key` names: "03", "3", "03_unoverlapped_comms" or "unoverlapped_comms" (ValueError else)."""
     for name, module in LABS.items():
         number = name[:2]
-        if key in (name, number, module, module.rsplit(".", 1)[1]) or (key.isdigit() and int(key) == int(number)):
+        if key in (name, number, module, module.rsplit(".", 1)[1]) or (
+            key.isdigit() and int(key) == int(number)
+        ):
             return name
     raise ValueError(f"lab {key!r} is not one of the course's labs: {', '.join(LABS)}")
 

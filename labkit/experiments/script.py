@@ -1,17 +1,18 @@
 """A lab's experiment as a script: plain Python, or one process per GPU under torchrun.
 
-    python -m labkit.experiments.oom_batch                        # labkit.launch starts 2 ranks (emulated on a CPU)
+    python -m labkit.experiments.oom_batch            # labkit.launch starts 2 ranks (emulated on a CPU)
     torchrun --standalone --nproc-per-node 8 -m labkit.experiments.unoverlapped_comms --out 03.json
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m labkit.experiments.parallelism_choice --out 01.json
 
 Each lab's driver module ends with `main(argv)`, which calls `run_lab` with its `headline(where, **params)`:
-the lab's measurement in a few launches, returning the records its notebook writes (before, after, limit, unit,
-meaning, metric and the extras that say why). Every rank runs the script; every `labkit.launch` inside gathers
-the ranks' results onto every rank (`labkit.torchrun`), so every rank computes the same records from them and
-rank 0 alone prints them (`labkit-record` lines, as `labkit.record` does outside a notebook) and writes them to
-`--out`. `--set key value` overrides a parameter (JSON values; an unknown key is refused with the list); a
-parameter the lab cannot run with ends the script with exit status 2 and the message (its value and the fix).
+the lab's measurement in a few launches, returning the records its notebook writes (before, after, limit,
+unit, meaning, metric and the extras that say why). Every rank runs the script; every `labkit.launch` inside
+gathers the ranks' results onto every rank (`labkit.torchrun`), so every rank computes the same records from
+them and rank 0 alone prints them (`labkit-record` lines, as `labkit.record` does outside a notebook) and
+writes them to `--out`. `--set key value` overrides a parameter (JSON values; an unknown key is refused with
+the list); a parameter the lab cannot run with ends the script with exit status 2 and the message (its value
+and the fix).
 
 What the numbers are depends on where they ran, and the records say so (`where`): the emulated cluster when
 `labkit.launch` starts the ranks on a machine without GPUs (virtual clock, modelled links, memory budget);
@@ -83,8 +84,8 @@ class Meaning:
 
 @dataclass(frozen=True)
 class LabRecords:
-    """A lab's records: the number before the fix, after it, the limit no fix beats (None where this machine has
-    no figure for it), their unit and meaning, the metric, and the extras that say why."""
+    """A lab's records: the number before the fix, after it, the limit no fix beats (None where this machine
+    has no figure for it), their unit and meaning, the metric, and the extras that say why."""
 
     before: float
     after: float
@@ -111,7 +112,8 @@ def _rank() -> int:
 
 
 def where(cluster: str, world_size: int) -> Where:
-    """The ranks a script runs on: torchrun's when torchrun started it, else `world_size` ranks of `cluster`."""
+    """The ranks a script runs on: torchrun's when torchrun started it, else `world_size` ranks of
+    `cluster`."""
     if torchrun.under_torchrun():
         torchrun.check_cluster(cluster)  # refuses the emulated cluster with the fix
         gpu = torch.cuda.is_available()
@@ -126,7 +128,8 @@ def where(cluster: str, world_size: int) -> Where:
         label = (
             f"measured on GPU, torchrun: {n} ranks on {nodes} node(s), NCCL"
             if gpu
-            else f"torchrun on CPU: {n} processes on {nodes} node(s) over gloo, wall clock; no GPU, no link model"
+            else f"torchrun on CPU: {n} processes on {nodes} node(s) over gloo, wall clock; no GPU, no link "
+            "model"
         )
         return Where(n, "auto", nodes, per_node, True, gpu, label)
     resolved = Cluster.resolve(cluster, world_size)

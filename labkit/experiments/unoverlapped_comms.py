@@ -253,7 +253,8 @@ def _trace(
     trace_steps: int,
     rank: int,
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """Profile each of `trace_modes`; on the virtual clock also write the device timeline of its timed steps."""
+    """Profile each of `trace_modes`; on the virtual clock also write the device timeline of its timed
+    steps."""
     traces, device_traces = {}, {}
     folder = Path(trace_dir) if trace_dir else Path(tempfile.gettempdir()) / "labkit_traces"
     group = next(iter(trainers.values())).process_group if trainers else None
@@ -361,8 +362,8 @@ class Params(LabParams):
 
 
 def headline(w: Where, p: Params) -> LabRecords:
-    """Lab 03's records: the step with per-tensor all-reduces after backward, with buckets during backward, and
-    max(compute, bucketed communication alone) from the same launch; overlap % from the traces."""
+    """Lab 03's records: the step with per-tensor all-reduces after backward, with buckets during backward,
+    and max(compute, bucketed communication alone) from the same launch; overlap % from the traces."""
     modes = ["compute", "naive", "comm_overlapped", "overlapped"]
     run = w.launch(
         train_steps,

@@ -33,7 +33,8 @@ class OverlappedDDPExercise(OverlappedDDP):
     def flush(self, bucket: Bucket) -> None:
         raise NotImplementedError(
             "flush(bucket) is yours to write in your subclass: copy the gradients into bucket.buffer, start "
-            "dist.all_reduce(..., async_op=True), keep the work in bucket.work, call self.after_launch(bucket, t0)."
+            "dist.all_reduce(..., async_op=True), keep the work in bucket.work, call "
+            "self.after_launch(bucket, t0)."
         )
 
 
@@ -43,8 +44,9 @@ class _OutOfOrder(Exception):
 
 @dataclass(frozen=True)
 class HookDrill:
-    """What `drive_hooks_shuffled` saw on one rank: the order buckets were flushed in, the bucket count, and the
-    gradients' distinct values after `finish_gradient_synchronization()` (empty after an out-of-order flush)."""
+    """What `drive_hooks_shuffled` saw on one rank: the order buckets were flushed in, the bucket count, and
+    the gradients' distinct values after `finish_gradient_synchronization()` (empty after an out-of-order
+    flush)."""
 
     flushed: list[int]
     buckets: int
@@ -95,31 +97,32 @@ def check_overlapped_ddp(results: list[HookDrill], world_size: int) -> None:
         again = [b for i, b in enumerate(flushed) if b in flushed[:i]]
         if again:
             raise AssertionError(
-                f"rank {r.rank}: bucket {again[0]} was flushed again (order {flushed}): flush each bucket once, "
-                "and advance self.next_bucket after each flush."
+                f"rank {r.rank}: bucket {again[0]} was flushed again (order {flushed}): flush each bucket "
+                "once, and advance self.next_bucket after each flush."
             )
         if flushed != list(range(k)):
             raise AssertionError(
-                f"rank {r.rank} flushed buckets in the order {flushed}{'...' if len(flushed) < k else ''}, not 0, "
-                f"1, ..., {k - 1}, with the hooks "
-                "called in a shuffled order. Flush buckets in index order, never as they fill up: only "
-                "self.buckets[self.next_bucket], once it is complete, then the next index while buckets are complete."
+                f"rank {r.rank} flushed buckets in the order {flushed}{'...' if len(flushed) < k else ''}, "
+                f"not 0, 1, ..., {k - 1}, with the hooks called in a shuffled order. Flush buckets in index "
+                "order, never as they fill up: only self.buckets[self.next_bucket], once it is complete, "
+                "then the next index while buckets are complete."
             )
         if r.values == [expected]:
             continue
         if r.values == [expected / world_size]:
             raise AssertionError(
-                f"the gradients came out as {expected / world_size:g} instead of the mean {expected:g}: they were "
-                "divided by the world size twice. finish_gradient_synchronization() already divides the "
-                "all-reduced sum by world_size; in flush copy the gradients as they are."
+                f"the gradients came out as {expected / world_size:g} instead of the mean {expected:g}: they "
+                "were divided by the world size twice. finish_gradient_synchronization() already divides "
+                "the all-reduced sum by world_size; in flush copy the gradients as they are."
             )
         if r.values == [float(r.rank + 1)]:
             raise AssertionError(
                 "the gradients are unchanged after finish_gradient_synchronization(): the buffer was not "
-                "all-reduced, or did not receive the gradients. In flush copy each p.grad into bucket.buffer at "
-                "its offset, then dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)."
+                "all-reduced, or did not receive the gradients. In flush copy each p.grad into bucket.buffer "
+                "at its offset, then dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)."
             )
         raise AssertionError(
-            f"rank {r.rank}: gradients {r.values[:4]} after synchronisation, expected {expected:g} everywhere; "
-            "check that every parameter's gradient lands at its own offset (zip bucket.params, bucket.offsets)."
+            f"rank {r.rank}: gradients {r.values[:4]} after synchronisation, expected {expected:g} "
+            "everywhere; check that every parameter's gradient lands at its own offset (zip bucket.params, "
+            "bucket.offsets)."
         )

@@ -76,7 +76,8 @@ class Params(LabParams):
 
 
 def kinds_that_show(on_gpu: bool) -> list[str]:
-    """The mistakes whose cost shows on this cluster: a host sync only where the device runs asynchronously."""
+    """The mistakes whose cost shows on this cluster: a host sync only where the device runs
+    asynchronously."""
     return [k for k in MYSTERY_KINDS if k != "host_sync" or on_gpu]
 
 
@@ -104,13 +105,15 @@ def mystery_job(clean: TrainingJob, kind: str, world_size: int, *, straggler_ran
 
 
 def fixed_job(job: TrainingJob, diagnosed: str) -> TrainingJob:
-    """`job` with the fix the diagnosis `diagnosed` names (unchanged for "none" or a mistake it does not plant)."""
+    """`job` with the fix the diagnosis `diagnosed` names (unchanged for "none" or a mistake it does not
+    plant)."""
     mistake = by_diagnosis(diagnosed)
     return mistake.fixed(job) if mistake is not None and mistake.planted_in(job) else job
 
 
 def run_name(job: TrainingJob, clean: TrainingJob) -> str:
-    """A folder name: the mistake a job plants (with the straggler's rank), or "clean"; "_fixed" once fixed."""
+    """A folder name: the mistake a job plants (with the straggler's rank), or "clean"; "_fixed" once
+    fixed."""
     planted = [m for m in MYSTERY_KINDS if MISTAKES[m].planted_in(job)]
     if not planted:
         return "clean" if job == clean else "fixed"
@@ -126,8 +129,8 @@ def step_ms(run: list[JobResult]) -> float:
 
 
 def headline(w: Where, p: Params) -> LabRecords:
-    """Lab 05's records: the job with a mistake planted by `mystery_seed`, the same job with the fix the trace's
-    diagnosis (`labkit.trace.diagnose`) names, and the clean job, in one launch."""
+    """Lab 05's records: the job with a mistake planted by `mystery_seed`, the same job with the fix the
+    trace's diagnosis (`labkit.trace.diagnose`) names, and the clean job, in one launch."""
     config = p.config()
     planted = random.Random(p.mystery_seed).choice(kinds_that_show(w.on_gpu))
     folder = Path(p.trace_dir).resolve()

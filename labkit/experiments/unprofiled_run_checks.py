@@ -47,9 +47,9 @@ def check_find_straggler(fn: Callable[[list[Any]], Any]) -> None:
             if got is not None:
                 raise AssertionError(
                     f"compute per rank {computes} ms: you named {got!r}, but the ranks are within "
-                    f"{max(computes.values()) / min(computes.values()):.2f}x of each other, which is noise on real "
-                    "machines. Name a straggler only when it computes at least 1.25x the median of the other ranks "
-                    "(and they wait for it); return None otherwise."
+                    f"{max(computes.values()) / min(computes.values()):.2f}x of each other, which is noise "
+                    "on real machines. Name a straggler only when it computes at least 1.25x the median of "
+                    "the other ranks (and they wait for it); return None otherwise."
                 )
             continue
         if got is None:
@@ -69,8 +69,9 @@ def check_find_straggler(fn: Callable[[list[Any]], Any]) -> None:
             )
             if isinstance(ratio, (int, float)) and abs(ratio - 1) < 0.02:
                 raise AssertionError(
-                    f"the ratio is {ratio!r}: every rank's step_ms is the same in synchronous training (each waits for "
-                    "the slowest), so step times cannot tell the ranks apart. Compare compute_ms instead."
+                    f"the ratio is {ratio!r}: every rank's step_ms is the same in synchronous training (each "
+                    "waits for the slowest), so step times cannot tell the ranks apart. Compare compute_ms "
+                    "instead."
                 )
             if not isinstance(ratio, (int, float)) or abs(ratio - want) > 0.02 * want:
                 raise AssertionError(
@@ -81,9 +82,9 @@ def check_find_straggler(fn: Callable[[list[Any]], Any]) -> None:
         fastest = min(computes, key=computes.get)
         if rank == max(waits, key=waits.get) or rank == fastest:
             raise AssertionError(
-                f"you named rank {rank}, which waits the most ({waits[rank]:.0f} ms): in synchronous training the "
-                "fast ranks wait for the slow one. The straggler is the rank that computes the most "
-                f"(compute per rank {computes} ms)."
+                f"you named rank {rank}, which waits the most ({waits[rank]:.0f} ms): in synchronous "
+                "training the fast ranks wait for the slow one. The straggler is the rank that computes the "
+                f"most (compute per rank {computes} ms)."
             )
         raise AssertionError(
             f"you named rank {rank}; with compute per rank {computes} ms the straggler is rank "

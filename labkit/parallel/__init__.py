@@ -5,7 +5,7 @@
 * `pipeline.py`: pipeline parallelism, a GPT cut into stages of consecutive layers and run by
   `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B);
 * `tensor.py`: tensor parallelism in the Megatron style (f and g, column- and row-parallel layers);
-* `layout.py`: how they combine, dp x tp x pp ranks on a grid, and each rank's groups.
+* `groups.py`: how they combine: each rank's dp, tp and pp groups under a `labkit.layout.Layout`.
 """
 
 from labkit.parallel.data import (
@@ -14,13 +14,12 @@ from labkit.parallel.data import (
     accumulate_without_no_sync,
     allreduce_gradients_naive,
 )
-from labkit.parallel.layout import Layout, RankGroups, make_groups
+from labkit.parallel.groups import RankGroups, make_groups
 from labkit.parallel.pipeline import GPTStage, even_split, layer_names, make_schedule, pipeline_stages
 from labkit.parallel.tensor import TensorParallelBlock, TPStats, tensor_parallel
 
 __all__ = [
     "GPTStage",
-    "Layout",
     "OverlappedDDP",
     "RankGroups",
     "TPStats",

@@ -277,9 +277,9 @@ class OverlappedDDP(nn.Module):
             )
         if bucket.index != self._launched:
             raise RuntimeError(
-                f"bucket {bucket.index} was flushed before bucket {self._launched}: launch buckets strictly in "
-                "index order (from self.buckets[self.next_bucket] on, while each is complete), never in the "
-                "order they fill up; a different order on another rank would pair different buckets"
+                f"bucket {bucket.index} was flushed before bucket {self._launched}: launch buckets strictly "
+                "in index order (from self.buckets[self.next_bucket] on, while each is complete), never in "
+                "the order they fill up; a different order on another rank would pair different buckets"
             )
         name = f"all_reduce bucket{bucket.index}"
         bucket.logged = self.comm_log.track(bucket.work, name, bucket.nbytes, start_ns=start_ns)
@@ -354,8 +354,13 @@ class OverlappedDDP(nn.Module):
 # ------------------------------------------------------------------ torch's own
 
 
-def make_ddp(module: nn.Module, *, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
-             gradient_as_bucket_view: bool = True) -> DistributedDataParallel:
+def make_ddp(
+    module: nn.Module,
+    *,
+    bucket_cap_mb: float = 25.0,
+    process_group: dist.ProcessGroup | None = None,
+    gradient_as_bucket_view: bool = True,
+) -> DistributedDataParallel:
     """torch's `DistributedDataParallel` around `module`, as every lab builds it.
 
     On a GPU `device_ids` is the rank's one device (the module must be on it); on the CPU it is None, as DDP

@@ -200,10 +200,9 @@ def clock_stages(stages: list) -> StageLog:
     """Record each forward and backward chunk of `stages` (`labkit.timer.Mark`s: CUDA events on a GPU, so the
     device is not stopped between chunks) and the bytes each sends, into the returned `StageLog`.
 
-    torch.distributed.pipelining has no per-micro-batch hook; every schedule calls these public methods of
-    the stage once per micro-batch (schedules.py: `forward_one_chunk`, `backward_one_chunk`, `get_*_send_ops`),
-    so wrapping them on the instance times exactly the stage's own work, without the waits around it.
-    """
+    torch.distributed.pipelining has no per-micro-batch hook; every schedule calls these public methods of the
+    stage once per micro-batch (schedules.py: `forward_one_chunk`, `backward_one_chunk`, `get_*_send_ops`), so
+    wrapping them on the instance times exactly the stage's own work, without the waits around it."""
     log = StageLog()
     for stage in stages:
         for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):

@@ -27,6 +27,7 @@ from labkit.quiz.question import TOPICS, Question
 
 __all__ = ["TOPICS", "Question", "bank", "choice_questions", "exam", "grade", "score"]
 
+
 def _choice(d: dict) -> Question:
     return Question(
         d["id"],

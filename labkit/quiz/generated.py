@@ -1,11 +1,10 @@
 """Numeric questions generated from labkit's own formulas, with fresh parameters every time.
 
-Each generator takes a `random.Random` and returns a `labkit.quiz.question.Question` whose answer is computed by
-the same function the labs use (`labkit.memory.estimate`, `labkit.pipeline_plan.bubble_fraction`,
+Each generator takes a `random.Random` and returns a `labkit.quiz.question.Question` whose answer is computed
+by the same function the labs use (`labkit.memory.estimate`, `labkit.pipeline_plan.bubble_fraction`,
 `labkit.links.collective_time_s` and `bus_bandwidth_factor`, `labkit.batch.accumulation_steps`,
 `labkit.memory.korthikanti_activation_bytes`, `labkit.planner.tp_comm_s`), so the answers are right by
-construction and a learner cannot memorise them. Sizes are drawn from published or common values.
-"""
+construction and a learner cannot memorise them. Sizes are drawn from published or common values."""
 
 from __future__ import annotations
 
@@ -35,12 +34,14 @@ def model_states(rng: random.Random) -> Question:
         "memory-gen-zero",
         "memory",
         "numeric",
-        f"A {billions:g}-billion-parameter model is trained with mixed-precision Adam (16 bytes of model states per "
-        f"parameter: 2 weights + 2 gradients + 12 optimizer) and ZeRO stage {stage} over {gpus} data-parallel GPUs. "
-        "How many GiB of model states does each GPU hold (weights, gradients, optimizer; no activations)?",
+        f"A {billions:g}-billion-parameter model is trained with mixed-precision Adam (16 bytes of model "
+        f"states per parameter: 2 weights + 2 gradients + 12 optimizer) and ZeRO stage {stage} over {gpus} "
+        "data-parallel GPUs. How many GiB of model states does each GPU hold (weights, gradients, "
+        "optimizer; no activations)?",
         gib,
-        f"ZeRO-{stage} shards {['nothing', 'the optimizer states', 'the optimizer states and gradients', 'all three'][stage]}"
-        f" over the {gpus} GPUs: {m.params / _GIB:.2f} + {m.grads / _GIB:.2f} + {m.optimizer / _GIB:.2f} GiB "
+        f"ZeRO-{stage} shards "
+        f"{['nothing', 'the optimizer states', 'the optimizer states and gradients', 'all three'][stage]} "
+        f"over the {gpus} GPUs: {m.params / _GIB:.2f} + {m.grads / _GIB:.2f} + {m.optimizer / _GIB:.2f} GiB "
         "(Rajbhandari et al. 2020, Figure 1).",
         "02_oom_batch",
         "2 · Explain",
@@ -58,8 +59,8 @@ def bubble(rng: random.Random) -> Question:
         "pipeline-gen-bubble",
         "pipeline",
         "numeric",
-        f"A pipeline of {p} equal stages runs 1F1B with {m} micro-batches per step. What percentage of the step is "
-        "the bubble (idle time)?",
+        f"A pipeline of {p} equal stages runs 1F1B with {m} micro-batches per step. What percentage of the "
+        "step is the bubble (idle time)?",
         value,
         f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {value:.1f} % (Huang et al. 2019; 1F1B has the same "
         "bubble as GPipe, Narayanan et al. 2021).",
@@ -80,11 +81,11 @@ def ring_all_reduce(rng: random.Random) -> Question:
         "cluster-gen-ring",
         "cluster",
         "numeric",
-        f"A ring all-reduce of {mib} MiB runs over {n} GPUs whose links give {bw} GB/s per direction (1 GB = 1e9 "
-        "bytes); ignore latency. How many milliseconds does it take?",
+        f"A ring all-reduce of {mib} MiB runs over {n} GPUs whose links give {bw} GB/s per direction (1 GB = "
+        "1e9 bytes); ignore latency. How many milliseconds does it take?",
         ms,
-        f"2(n - 1) steps each move nbytes/n: 2 x {n - 1} x {mib} MiB / {n} / {bw} GB/s = {ms:.2f} ms (Thakur et "
-        "al. 2005).",
+        f"2(n - 1) steps each move nbytes/n: 2 x {n - 1} x {mib} MiB / {n} / {bw} GB/s = {ms:.2f} ms (Thakur "
+        "et al. 2005).",
         "00_cluster_tour",
         "3 · How fast",
         unit="ms",
@@ -101,8 +102,8 @@ def bus_bandwidth(rng: random.Random) -> Question:
         "cluster-gen-busbw",
         "cluster",
         "numeric",
-        f"nccl-tests reports an all-reduce algorithm bandwidth (size / time) of {algbw} GB/s on {n} GPUs. What bus "
-        "bandwidth does it report next to it, in GB/s?",
+        f"nccl-tests reports an all-reduce algorithm bandwidth (size / time) of {algbw} GB/s on {n} GPUs. "
+        "What bus bandwidth does it report next to it, in GB/s?",
         value,
         f"busbw = algbw x 2(n - 1)/n = {algbw} x {2 * (n - 1)}/{n} = {value:.1f} GB/s, comparable with the "
         "link's speed (nccl-tests doc/PERFORMANCE.md).",
@@ -124,9 +125,9 @@ def accumulation(rng: random.Random) -> Question:
         "memory-gen-accumulation",
         "memory",
         "numeric",
-        f"A global batch of {global_batch} sequences is trained on {ranks} data-parallel GPUs whose largest micro-batch "
-        "that fits is "
-        f"{micro} sequences. How many micro-batches does each GPU accumulate per optimizer step?",
+        f"A global batch of {global_batch} sequences is trained on {ranks} data-parallel GPUs whose largest "
+        f"micro-batch that fits is {micro} sequences. How many micro-batches does each GPU accumulate per "
+        "optimizer step?",
         value,
         f"global batch = micro-batch x accumulation steps x ranks: {global_batch} / ({micro} x {ranks}) = "
         f"{value}.",
@@ -148,9 +149,9 @@ def activations(rng: random.Random) -> Question:
         "memory-gen-activations",
         "memory",
         "numeric",
-        f"Per Korthikanti et al. 2022 (16-bit activations, dropout, attention scores stored), how many GiB of "
-        f"activations does one transformer layer keep for sequence {s}, micro-batch {b}, hidden size {h}, {a} heads, "
-        f"with tensor parallelism t = {t} (no sequence parallelism)?",
+        "Per Korthikanti et al. 2022 (16-bit activations, dropout, attention scores stored), how many GiB "
+        f"of activations does one transformer layer keep for sequence {s}, micro-batch {b}, hidden size {h}, "
+        f"{a} heads, with tensor parallelism t = {t} (no sequence parallelism)?",
         gib,
         f"s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes = {gib:.3f} GiB (Korthikanti et al. 2022, Table 2).",
         "02_oom_batch",
@@ -175,12 +176,12 @@ def tensor_parallel_comm(rng: random.Random) -> Question:
         "parallelism-gen-tp",
         "parallelism",
         "numeric",
-        f"Megatron tensor parallelism of size {tp} over {where} per direction (ignore latency), a {layers}-layer model "
-        f"of hidden size {h}, micro-batch {mb} of {seq} tokens, 16-bit activations. How many milliseconds of "
-        "all-reduces does one micro-batch's forward and backward need?",
+        f"Megatron tensor parallelism of size {tp} over {where} per direction (ignore latency), a "
+        f"{layers}-layer model of hidden size {h}, micro-batch {mb} of {seq} tokens, 16-bit activations. How "
+        "many milliseconds of all-reduces does one micro-batch's forward and backward need?",
         ms,
-        f"4 all-reduces per layer (2 forward, 2 backward) of {mb} x {seq} x {h} x 2 bytes, each 2(t - 1)/t of it "
-        f"over the link: {ms:.2f} ms (Shoeybi et al. 2019).",
+        f"4 all-reduces per layer (2 forward, 2 backward) of {mb} x {seq} x {h} x 2 bytes, each 2(t - 1)/t "
+        f"of it over the link: {ms:.2f} ms (Shoeybi et al. 2019).",
         "01_parallelism_choice",
         "2 · Mistake two",
         unit="ms",

@@ -1,4 +1,5 @@
-"""Showing questions: an ipywidgets quiz in JupyterLab, plain text where widgets cannot render, a terminal loop.
+"""Showing questions: an ipywidgets quiz in JupyterLab, plain text where widgets cannot render, a terminal
+loop.
 
 `show(topic=None, seed=0, n=None)` renders widgets when it runs in a Jupyter kernel that a browser is
 looking at, and the plain-text form otherwise (`labkit.widgets.widgets_can_render`: a terminal, or papermill
@@ -36,7 +37,7 @@ def text_form(questions: list[Question]) -> str:
     """The questions, then the key: each answer, its explanation and where the course teaches it."""
     lines = []
     for i, q in enumerate(questions, 1):
-        lines += _prompt(q, i) + [""]
+        lines += [*_prompt(q, i), ""]
     lines.append("Answers")
     for i, q in enumerate(questions, 1):
         lines.append(f"Q{i}: {q.correct}. {q.explanation} (See {q.where}.)")
@@ -62,7 +63,8 @@ def run_terminal(
     for i, q in enumerate(questions, 1):
         if minutes is not None and time.monotonic() - start > minutes * 60:
             say(
-                f"time is up ({minutes:g} min): the remaining {len(questions) - i + 1} question(s) count as wrong"
+                f"time is up ({minutes:g} min): the remaining {len(questions) - i + 1} question(s) count as "
+                "wrong"
             )
             results += [(rest, False) for rest in questions[i - 1 :]]
             break
@@ -78,9 +80,7 @@ def run_terminal(
 def _score_lines(scores: dict[str, tuple[int, int]]) -> str:
     rows = [f"{topic:<14} {right}/{asked}" for topic, (right, asked) in scores.items() if topic != "all"]
     right, asked = scores.get("all", (0, 0))
-    return "\n".join(
-        ["score by topic:"] + rows + [f"{'all':<14} {right}/{asked} ({right / max(asked, 1):.0%})"]
-    )
+    return "\n".join(["score by topic:", *rows, f"{'all':<14} {right}/{asked} ({right / max(asked, 1):.0%})"])
 
 
 def show(topic: str | None = None, seed: int = 0, n: int | None = None, widgets: bool | None = None):

@@ -10,7 +10,8 @@
 * `phases.py`: `phase`, a named region in the host trace, NVTX and the device timeline;
 * `analyze.py`: `analyze`, where each rank's step went (compute, comm, waiting, data, host syncs), and
   `read_timelines`, every rank's device timeline of one run;
-* `diagnose.py`: `diagnose`, the likely bottleneck of a run with its evidence (`findings`: every rule that fires).
+* `diagnose.py`: `diagnose`, the likely bottleneck of a run with its evidence (`findings`: every rule that
+  fires).
 """
 
 from labkit.trace.analyze import RankBreakdown, analyze, read_timelines

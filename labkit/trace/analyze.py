@@ -1,7 +1,7 @@
 """Where each rank's step went, read from its traces: compute, communication, waiting, data, host syncs.
 
-`analyze(traces)` takes one run's per-rank traces (a directory written by `capture`, or a list of
-paths) and returns, per rank, a `RankBreakdown` of a typical profiled step (the median over steps). It reads whichever
+`analyze(traces)` takes one run's per-rank traces (a directory written by `capture`, or a list of paths) and
+returns, per rank, a `RankBreakdown` of a typical profiled step (the median over steps). It reads whichever
 timeline is closest to the device:
 
 * **emulated device timeline** (`*.device.json`, the virtual clock): compute is the time the rank did
@@ -303,4 +303,6 @@ def analyze(traces: str | Path | Sequence[str | Path]) -> list[RankBreakdown]:
 def read_timelines(traces: str | Path | Sequence[str | Path]) -> list[Trace]:
     """Every rank's device timeline of one run (`labkit.trace.device.read_timeline`), in rank order: what
     `plot_timeline` draws."""
-    return [read_trace(dev if dev is not None else host, rank=rank) for rank, host, dev in trace_files(traces)]
+    return [
+        read_trace(dev if dev is not None else host, rank=rank) for rank, host, dev in trace_files(traces)
+    ]

@@ -45,9 +45,9 @@ def device_trace_path(host_trace: str | Path) -> Path:
 
 
 def read_timeline(host_trace: str | Path, rank: int | None = None) -> Trace:
-    """The device's timeline of one rank's profiled steps: the emulated device timeline written beside the host
-    trace when there is one (virtual time), else the host trace itself (on a GPU its kernels are the device's
-    lanes). This is what a timeline picture of the rank should draw."""
+    """The device's timeline of one rank's profiled steps: the emulated device timeline written beside the
+    host trace when there is one (virtual time), else the host trace itself (on a GPU its kernels are the
+    device's lanes). This is what a timeline picture of the rank should draw."""
     device = device_trace_path(host_trace)
     return read_trace(device if device.exists() else host_trace, rank=rank)
 

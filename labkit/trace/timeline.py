@@ -251,12 +251,12 @@ def step_lanes(trace: Trace, step: int | None = None) -> dict[str, list[Interval
     """Compute, comm and idle intervals of one step (default: the last), in ms from its start.
 
     With GPU kernels in the trace, the lanes are the device's: compute = the kernels, copies and memsets that
-    are not NCCL's, comm = NCCL's kernels (and `CommLog` spans, which the emulated device timeline has). Host spans (`backward`, `optimizer.step`) only measure the time to
-    enqueue work, so an NCCL kernel running while the host enqueues is not overlapped with anything (a naive
-    step with no overlap on the device would show most of its communication as overlapped). Without kernels
-    (CPU traces) compute is, thread by thread, the compute events minus the comm events of that same thread
-    (a thread blocked in a wait is not computing), then united across threads.
-    """
+    are not NCCL's, comm = NCCL's kernels (and `CommLog` spans, which the emulated device timeline has). Host
+    spans (`backward`, `optimizer.step`) only measure the time to enqueue work, so an NCCL kernel running
+    while the host enqueues is not overlapped with anything (a naive step with no overlap on the device would
+    show most of its communication as overlapped). Without kernels (CPU traces) compute is, thread by thread,
+    the compute events minus the comm events of that same thread (a thread blocked in a wait is not
+    computing), then united across threads."""
     s = trace.step(step)
     lo, hi = s.start_us, s.end_us
     device = [e for e in trace.events if e.category in _DEVICE_CATEGORIES and e.lane is not None]

@@ -74,7 +74,8 @@ class PerTensor(GradSync):
 
 
 class Overlapped(GradSync):
-    """`OverlappedDDP` (or `ddp_class`, a subclass): buckets all-reduced from gradient hooks during backward."""
+    """`OverlappedDDP` (or `ddp_class`, a subclass): buckets all-reduced from gradient hooks during
+    backward."""
 
     def __init__(
         self,

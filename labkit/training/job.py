@@ -73,7 +73,8 @@ class TrainingJob:
         validate.non_negative_int("seed", self.seed, "seed=0")
         if self.eval_rank is not None and not 0 <= self.eval_rank < world_size:
             raise ValueError(
-                f"eval_rank={self.eval_rank} is not a rank of {world_size}: None (shared) or 0..{world_size - 1}"
+                f"eval_rank={self.eval_rank} is not a rank of {world_size}: None (shared) or "
+                f"0..{world_size - 1}"
             )
 
 

@@ -1,8 +1,8 @@
 """The one table of the course's mistakes, each a wrong value of one `TrainingJob` knob.
 
 For every mistake: the lab that teaches it, the knob that plants it and its value once fixed, what
-`labkit.trace.diagnose` calls it when a trace shows it, the fix in words and what the measurement shows. Lab 05
-plants one at a time and fixes what the trace names; the capstone deals two or three and checks each fix
+`labkit.trace.diagnose` calls it when a trace shows it, the fix in words and what the measurement shows. Lab
+05 plants one at a time and fixes what the trace names; the capstone deals two or three and checks each fix
 against this table; the course checks read their hints from it.
 
 The mistakes, each seen in real jobs:
@@ -13,12 +13,12 @@ The mistakes, each seen in real jobs:
   all-reduce during backward instead (Li et al. 2020, section 3.2.3);
 * "straggler" (lab 05): one rank evaluates the whole held-out batch every step while the others wait for it at
   the next all-reduce; shared out, each rank evaluates its part;
-* "data_loading" (lab 05): a slow tokenizer runs in the training process as samples are fetched; tokenized once
-  before training instead (or in DataLoader workers);
+* "data_loading" (lab 05): a slow tokenizer runs in the training process as samples are fetched; tokenized
+  once before training instead (or in DataLoader workers);
 * "sync_logging" (lab 05): every rank's logits all-gathered, blocking, between forward and backward to log a
   global accuracy; a local metric, all-reduced asynchronously and waited for at the end of the step, instead;
-* "host_sync" (lab 05): `loss.item()` every step, which on a GPU drains the launch queue; on the emulated cluster
-  compute is synchronous, so it costs nothing there (and `diagnose` rightly finds nothing).
+* "host_sync" (lab 05): `loss.item()` every step, which on a GPU drains the launch queue; on the emulated
+  cluster compute is synchronous, so it costs nothing there (and `diagnose` rightly finds nothing).
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ class Reference:
 
 
 def reference_gradients(config: GPTConfig, global_batch: int, *, seed: int = 0) -> Reference:
-    """The big-batch loss and gradients a data-parallel first step must reproduce, in one process, on the CPU."""
+    """The big-batch loss and gradients a data-parallel first step must reproduce, in one process, on the
+    CPU."""
     validate.positive_int("global_batch", global_batch)
     model = seeded_model(config, seed)
     loss = reference_backward(model, config, global_batch, step=0, seed=seed)

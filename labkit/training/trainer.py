@@ -141,8 +141,8 @@ class Trainer:
     def forward_backward(self, accumulate: Accumulate | None = None) -> torch.Tensor:
         """The step's micro-batches forward and backward, gradients averaged; returns the mean loss (0-d).
 
-        `accumulate(module, batches)`: run the micro-batches yourself (lab 02's exercise: `module(x, y)` is the
-        loss); by default the loop of the module docstring. The metric's all-reduce, if any, is left in
+        `accumulate(module, batches)`: run the micro-batches yourself (lab 02's exercise: `module(x, y)` is
+        the loss); by default the loop of the module docstring. The metric's all-reduce, if any, is left in
         flight: `update()` waits for it."""
         self.forward.losses.clear()
         if accumulate is not None:
@@ -175,7 +175,8 @@ class Trainer:
         return metric
 
     def update(self) -> None:
-        """The optimizer step, then the step's evaluation, loss readout and metric (see the module docstring)."""
+        """The optimizer step, then the step's evaluation, loss readout and metric (see the module
+        docstring)."""
         with record_function("optimizer.step"):
             self.opt.step()
             self.opt.zero_grad(set_to_none=False)

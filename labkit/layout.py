@@ -9,20 +9,18 @@ expert parallelism: `initialize_model_parallel` in megatron/core/parallel_state.
 so that a tensor-parallel group is tp consecutive ranks, which sit in one node when tp divides the GPUs per
 node, and the groups that talk least (pipeline, then data) are the ones that cross nodes. `groups_of`
 lists every group of one kind; `links_crossed` says which link class each kind's groups need on a
-`labkit.links.Topology`; `make_groups` creates this rank's three `torch.distributed` groups (every rank
-creates every group, in the same order, as `new_group` requires). No global state: the groups are returned.
+`labkit.links.Topology`. A layout on paper: the planner (`labkit.planner`) scores them;
+`labkit.parallel.groups.make_groups` creates a rank's `torch.distributed` groups for one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from labkit import validate
 from labkit.links import Topology
 
-__all__ = ["KINDS", "Layout", "RankGroups", "make_groups"]
+__all__ = ["KINDS", "Layout"]
 
 KINDS = ("tp", "dp", "pp")
 
@@ -64,7 +62,8 @@ class Layout:
         return (pp * self.dp + dp) * self.tp + tp
 
     def groups_of(self, kind: str) -> list[list[int]]:
-        """Every group of one kind, each a sorted list of global ranks (the ranks that differ only in `kind`)."""
+        """Every group of one kind, each a sorted list of global ranks (the ranks that differ only in
+        `kind`)."""
         validate.one_of("kind", kind, KINDS)
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
@@ -81,34 +80,3 @@ class Layout:
                 spans = {len({topology.node_of(r) for r in g}) > 1 for g in self.groups_of(kind)}
                 out[kind] = "inter" if True in spans else "intra"
         return out
-
-
-@dataclass
-class RankGroups:
-    """This rank's groups (None where the kind has one rank: nothing to talk to) and its coordinates."""
-
-    layout: Layout
-    rank: int
-    tp: dist.ProcessGroup | None
-    dp: dist.ProcessGroup | None
-    pp: dist.ProcessGroup | None
-
-    @property
-    def coords(self) -> dict[str, int]:
-        return self.layout.coords(self.rank)
-
-
-def make_groups(layout: Layout) -> RankGroups:
-    """Create every tp, dp and pp group of `layout` (collective: every rank calls it) and keep this rank's."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layout.check_world_size(world)
-    mine: dict[str, dist.ProcessGroup | None] = {}
-    for kind in KINDS:
-        mine[kind] = None
-        if getattr(layout, kind) == 1:
-            continue
-        for ranks in layout.groups_of(kind):
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine[kind] = group
-    return RankGroups(layout, rank, mine["tp"], mine["dp"], mine["pp"])
