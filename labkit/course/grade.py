@@ -70,10 +70,11 @@ def grade_notebook(
         )
         if not run.ok and not run.source:  # a cell over the time limit, a kernel that died
             grade.error = run.error
-        executed = nbformat.read(run.notebook if run.ran else path, as_version=4)
+        ran = run.ran  # the executed copy is in `tmp`, which is gone after this block
+        executed = nbformat.read(run.notebook if ran else path, as_version=4)
     for cell in executed.cells:
         if cell.cell_type == "code" and (m := _CHECK.search(cell.source)) and "def check_" not in cell.source:
-            grade.checks.append((m.group(0)[:-1], _status(cell) if run.ran else "not run"))
+            grade.checks.append((m.group(0)[:-1], _status(cell) if ran else "not run"))
     grade.seconds = run.seconds
     return grade
 

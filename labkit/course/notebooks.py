@@ -260,9 +260,10 @@ def solution_text(solution_path: str | Path) -> str:
     """The solution notebook's file text with its parameters cell written from its lab's `Params`
     (`labkit.course.parameters`); the file's own text for a notebook that is not a course lab."""
     path = Path(solution_path)
+    if path.stem not in registry.LABS:
+        return path.read_text(encoding="utf-8")
     nb = _read(path)
-    if path.stem in registry.LABS:
-        with_parameters(nb, parameters_source(registry.params_of(path.stem), registry.LABS[path.stem]))
+    with_parameters(nb, parameters_source(registry.params_of(path.stem), registry.LABS[path.stem]))
     return notebook_text(nb)
 
 

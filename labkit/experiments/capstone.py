@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from labkit.errors import RankError
 from labkit.experiments.params import LabParams, param
-from labkit.experiments.script import LabRecords, Meaning, Where, run_lab
+from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.memory import estimate
 from labkit.models import GPTConfig
 from labkit.trace.diagnose import findings
@@ -250,4 +250,4 @@ def headline(w: Where, p: Params) -> LabRecords:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_lab(__spec__.name))
+    main(__spec__.name)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from labkit.bandwidth import bandwidth_test
 from labkit.cluster import Cluster
 from labkit.experiments.params import LabParams, param
-from labkit.experiments.script import LabRecords, Meaning, Where, run_lab
+from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.gpu_links import LIMIT_MEANING
 
 __all__ = ["Params", "headline"]
@@ -90,4 +90,4 @@ def headline(w: Where, p: Params) -> LabRecords:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_lab(__spec__.name))
+    main(__spec__.name)

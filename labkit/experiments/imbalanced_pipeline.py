@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from labkit import device_memory, runtime, timer, validate
 from labkit.experiments.params import LabParams, ParamError, param
-from labkit.experiments.script import LabRecords, Meaning, Where, run_lab
+from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.layer_profile import LayerProfile, profile_layers
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.pipeline import (
@@ -499,4 +499,4 @@ def headline(w: Where, p: Params) -> LabRecords:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_lab(__spec__.name))
+    main(__spec__.name)

@@ -2,15 +2,14 @@
 
 `layout_steps` runs on every rank (launch it with `labkit.launch` on world_size = dp x tp x pp): it creates
 the layout's groups (`labkit.layout`, `labkit.parallel.groups`), builds the seeded GPT, splits its blocks over
-the tp group (`labkit.parallel.tensor`), cuts it into pp stages run by 1F1B (`labkit.parallel.pipeline`), and keeps only
-its own layers, so the emulated memory budget sees what a GPU would hold. Each step a replica trains on its
-rows of the global batch in micro-batches (pipeline micro-batches, or gradient accumulation when pp == 1),
-then one flat all-reduce averages the gradients over the dp group (not overlapped: lab 03 shows how to hide
-it) and Adam steps. Every rank reports its step times on `labkit.timer` (the virtual clock on the emulated
-cluster), the bytes it put on each link class, and optionally its gradients and loss against one process on
-the whole batch (`labkit.training.reference`). `summarize_layout` combines the ranks; `measure_rates` times
-this machine on the model for the planner (`labkit.planner.Rates`).
-"""
+the tp group (`labkit.parallel.tensor`), cuts it into pp stages run by 1F1B (`labkit.parallel.pipeline`), and
+keeps only its own layers, so the emulated memory budget sees what a GPU would hold. Each step a replica
+trains on its rows of the global batch in micro-batches (pipeline micro-batches, or gradient accumulation when
+pp == 1), then one flat all-reduce averages the gradients over the dp group (not overlapped: lab 03 shows how
+to hide it) and Adam steps. Every rank reports its step times on `labkit.timer` (the virtual clock on the
+emulated cluster), the bytes it put on each link class, and optionally its gradients and loss against one
+process on the whole batch (`labkit.training.reference`). `summarize_layout` combines the ranks;
+`measure_rates` times this machine on the model for the planner (`labkit.planner.Rates`). """
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from labkit import device_memory, runtime, timer
 from labkit.cluster import Cluster
 from labkit.experiments.params import LabParams, ParamError, param
-from labkit.experiments.script import LabRecords, Meaning, Where, emulated_cluster, run_lab
+from labkit.experiments.script import LabRecords, Meaning, Where, emulated_cluster, main
 from labkit.layout import Layout
 from labkit.links import Link, Topology, bus_bandwidth_factor
 from labkit.memory import estimate
@@ -491,4 +490,4 @@ def headline(w: Where, p: Params) -> LabRecords:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_lab(__spec__.name))
+    main(__spec__.name)

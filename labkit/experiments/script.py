@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -41,7 +41,7 @@ from labkit.errors import RankError
 from labkit.experiments.params import LabParams, ParamError
 from labkit.records import record
 
-__all__ = ["LabRecords", "Meaning", "Where", "emulated_cluster", "run_lab", "where"]
+__all__ = ["LabRecords", "Meaning", "Where", "emulated_cluster", "main", "run_lab", "where"]
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,15 @@ def _refused(lab: str, err: Exception) -> int:
     return 2
 
 
+def main(module: str) -> NoReturn:
+    """`python -m` / `torchrun -m labkit.experiments.<lab>`: run the lab (`run_lab`) and exit with its status;
+    a torchrun rank leaves without the interpreter's teardown (`labkit.torchrun.leave`)."""
+    status = run_lab(module)
+    if torchrun.under_torchrun():
+        torchrun.leave(status)
+    raise SystemExit(status)
+
+
 def run_lab(module: str, argv: list[str] | None = None) -> int:
     """Run lab `module`'s measurement as a script: parse the command line into its `Params`, run its
     `headline(where, params)` and print and write the records on rank 0; exit status 2 (on every rank) for a
@@ -200,6 +209,8 @@ def run_lab(module: str, argv: list[str] | None = None) -> int:
     name = params_class.LAB
     args = _parser(module, params_class).parse_args(argv)
     base = {} if args.cluster is None else {"cluster": args.cluster}
+    if torchrun.under_torchrun() and args.cluster is None and "cluster" not in dict(args.set):
+        base["cluster"] = "auto"  # a lab whose default is the emulated cluster runs on torchrun's ranks
     t0 = time.perf_counter()
     try:
         params = params_class.from_text(args.set, "set", base)

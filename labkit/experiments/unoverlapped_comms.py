@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from labkit import emulate, runtime, timer, validate
 from labkit.experiments.params import LabParams, param
-from labkit.experiments.script import LabRecords, Meaning, Where, run_lab
+from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.models import GPTConfig, seeded_model
 from labkit.parallel.data import OverlappedDDP
 from labkit.trace.capture import capture
+from labkit.trace.commlog import CommLog
 from labkit.trace.device import device_trace_path, write_device_trace
 from labkit.trace.timeline import overlap, read_trace
 from labkit.training.job import TrainingJob
@@ -201,6 +202,7 @@ def train_steps(
             steps=warmup + steps + 1 + trace_steps,
             process_group=process_group,
             ddp_class=ddp_class,
+            comm_log=CommLog(),  # the host trace's communication lane (capture merges it)
         )
         for m in modes
     }
@@ -412,4 +414,4 @@ def headline(w: Where, p: Params) -> LabRecords:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_lab(__spec__.name))
+    main(__spec__.name)

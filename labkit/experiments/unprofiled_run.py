@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.experiments.params import LabParams, param
-from labkit.experiments.script import LabRecords, Meaning, Where, run_lab
+from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.models import GPTConfig
 from labkit.trace.diagnose import diagnose
 from labkit.training.job import TrainingJob
@@ -182,4 +182,4 @@ def headline(w: Where, p: Params) -> LabRecords:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_lab(__spec__.name))
+    main(__spec__.name)

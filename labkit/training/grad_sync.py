@@ -14,7 +14,8 @@ returned (the overlap lab 03 measures):
   all-reduce and counts it (`CountingAllReduce`).
 
 `communicate_only()` issues the same collectives with zero gradients and no compute: communication alone.
-Every collective is logged in the job's `CommLog` (on the CPU; on GPUs the trace's NCCL kernels tell).
+With a `CommLog`, every collective is logged in it from issue to completion, for a host trace's communication
+lane (on the CPU; on GPUs the trace's NCCL kernels tell).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ __all__ = ["CountingAllReduce", "GradSync", "NoSync", "Overlapped", "PerTensor",
 class GradSync:
     """No averaging (the base of the others, and "none")."""
 
-    def __init__(self, model: nn.Module, process_group: dist.ProcessGroup | None, log: CommLog) -> None:
+    def __init__(
+        self, model: nn.Module, process_group: dist.ProcessGroup | None, log: CommLog | None
+    ) -> None:
         self.model, self.process_group, self.log = model, process_group, log
         self.module: nn.Module = model
         self.collectives = 0  # issued in the last step
@@ -81,13 +84,14 @@ class Overlapped(GradSync):
         self,
         model: nn.Module,
         process_group: dist.ProcessGroup | None,
-        log: CommLog,
+        log: CommLog | None,
         bucket_cap_mb: float,
         ddp_class: type[OverlappedDDP] = OverlappedDDP,
     ) -> None:
         super().__init__(model, process_group, log)
         self.module = self.ddp = ddp_class(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
-        self.ddp.comm_log = log
+        if log is not None:
+            self.ddp.comm_log = log
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.ddp.no_sync()
@@ -149,7 +153,11 @@ class TorchDDP(GradSync):
     """torch's DDP, its bucket all-reduces counted (DDP launches them from its own hooks during backward)."""
 
     def __init__(
-        self, model: nn.Module, process_group: dist.ProcessGroup | None, log: CommLog, bucket_cap_mb: float
+        self,
+        model: nn.Module,
+        process_group: dist.ProcessGroup | None,
+        log: CommLog | None,
+        bucket_cap_mb: float,
     ) -> None:
         super().__init__(model, process_group, log)
         self.module = self.ddp = make_ddp(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
@@ -182,7 +190,7 @@ def make_grad_sync(
     kind: str,
     model: nn.Module,
     process_group: dist.ProcessGroup | None,
-    log: CommLog,
+    log: CommLog | None,
     bucket_cap_mb: float,
     ddp_class: type[OverlappedDDP] | None = None,
 ) -> GradSync:

@@ -75,8 +75,8 @@ class Trainer:
     """One rank's run of `job` on `GPT(config)` for up to `steps` optimizer steps (see the module docstring).
 
     `ddp_class`: the `OverlappedDDP` (sub)class for `grad_sync="overlapped"` (a learner's, in lab 03).
-    `comm_log`: where the gradient sync logs its collectives (a new `CommLog` by default).
-    """
+    `comm_log`: where the gradient sync logs its collectives, for `capture(..., comm_log=...)` (None: not
+    logged). """
 
     def __init__(
         self,
@@ -96,7 +96,7 @@ class Trainer:
         self.dev = dev = runtime.device()
         self.model = seeded_model(config, job.seed, dev, checkpointing=job.checkpointing)
         self.forward = Forward(self.model, job.precision == "autocast")
-        self.log = comm_log if comm_log is not None else CommLog()
+        self.log = comm_log
         self.sync = make_grad_sync(
             job.grad_sync, self.forward, process_group, self.log, job.bucket_cap_mb, ddp_class
         )

@@ -1,0 +1,58 @@
+"""Lab 00, the cluster tour: its notebook, its script under torchrun, and the wrong answers to its exercise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+LAB = "00_cluster_tour"
+
+
+def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_size: int = 2) -> None:
+    """Lab 00's records, wherever they were measured."""
+    check_common(rec, LAB, torchrun=torchrun, world_size=world_size)
+    sizes = [int(k * 1024) for k in rec["params"]["sizes_kib"]]
+    assert [r["size_bytes"] for r in rec["sweep"]] == sizes and all(r["time_ms"] > 0 for r in rec["sweep"])
+    if rec["emulated"]:  # the virtual clock honours the latency term: bandwidth grows with the message
+        assert 0 < rec["before"] < rec["after"] <= rec["limit"] * 1.1
+    if torchrun:  # gloo over loopback has no published link figure
+        assert rec["limit"] is None and "no published link figure" in rec["meaning"]["limit"]
+
+
+def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
+    expect(run_solution(LAB), check_common)
+
+
+def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
+    lab_matches_solution(LAB)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_script_under_torchrun(torchrun_lab, check_common, n):
+    proc, rec = torchrun_lab(LAB, n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(f"lab {LAB}: before") == 1  # rank 0 alone prints the records
+    expect(rec, check_common, torchrun=True, world_size=n)
+
+
+EXERCISE = ("def sum_over_ranks", "check_sum_over_ranks(results")
+MISTAKES = {
+    "all_reduce result assigned": ({"dist.all_reduce(t)": "t = dist.all_reduce(t)"}, "returns None"),
+    "sum divided by world size": ({"dist.all_reduce(t)": "dist.all_reduce(t)\n    t /= dist.get_world_size()"},
+                                  "do not divide"),
+    "no all_reduce": ({"dist.all_reduce(t)": "pass"}, "still holds its own value"),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, name):
+    failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
+    cell, error = failed[name]
+    assert EXERCISE[1] in cell or EXERCISE[0] in cell, f"{name}: failed before its exercise: {error[-800:]}"
+    assert MISTAKES[name][1] in error, f"{name}: the hint does not name the mistake: {error[-1500:]}"
+
+
+def test_the_right_answer_passes_the_check(mutations_run):
+    failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
+    assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]
