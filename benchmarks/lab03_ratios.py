@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios: dict[str, list[float]] = {k: [] for k in TARGETS}
     print(
-        f"{'run':>3} {'before ms':>10} {'after ms':>9} {'limit ms':>9} {'after/before':>13} {'after/limit':>12} {'s':>5}"
+        f"{'run':>3} {'before ms':>10} {'after ms':>9} {'limit ms':>9} {'after/before':>13} "
+        f"{'after/limit':>12} {'s':>5}"
     )
     with tempfile.TemporaryDirectory(prefix="labkit-bench-") as tmp:
         for i in range(1, args.runs + 1):

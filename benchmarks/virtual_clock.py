@@ -55,9 +55,9 @@ def _lab03(cluster: labkit.Cluster) -> tuple[float, float, float]:
         timeout_s=120,
     )
     s = summarize_steps(runs)
-    after, before = s["overlapped"]["ms"], s["naive"]["ms"]
-    compute = s["overlapped"]["compute_ms"] or s["compute"]["ms"]  # lab 03's limit: the step's own compute
-    return after / before, after / max(compute, s["comm_overlapped"]["ms"]), after
+    after, before = s["overlapped"].step_ms, s["naive"].step_ms
+    compute = s["overlapped"].compute_ms or s["compute"].step_ms  # lab 03's limit: the step's own compute
+    return after / before, after / max(compute, s["comm_overlapped"].step_ms), after
 
 
 def _lab00(cluster: labkit.Cluster) -> list[float]:
@@ -102,7 +102,8 @@ def _ddp_step(world: int, per_rank: int) -> float:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from labkit.experiments.common import rank_rows, seeded_model
+    from labkit.models import seeded_model
+    from labkit.training.reference import rank_rows
 
     model = DDP(seeded_model(LAB03, 0), bucket_cap_mb=1.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -145,8 +146,9 @@ def scaling(per_rank: int = 32, pairs: int = 3) -> float:
         wall.append(time.perf_counter() - t0)
         ratios.append(eight / two)
         print(
-            f"  DDP step, {per_rank} sequences per rank: 2 ranks {two * 1e3:.1f} ms, 8 ranks {eight * 1e3:.1f} ms "
-            f"(virtual; the 8-rank launch took {wall[-1]:.0f} s of wall time), ratio {eight / two:.2f}"
+            f"  DDP step, {per_rank} sequences per rank: 2 ranks {two * 1e3:.1f} ms, 8 ranks "
+            f"{eight * 1e3:.1f} ms (virtual; the 8-rank launch took {wall[-1]:.0f} s of wall time), ratio "
+            f"{eight / two:.2f}"
         )
     ratio = statistics.median(ratios)
     print(f"\n8 ranks vs 2 ranks on 2 cores: median ratio {ratio:.2f} over {pairs} alternating pairs")
@@ -162,8 +164,8 @@ def overhead() -> float:
         walls[clock] = time.perf_counter() - t0
     extra = walls["virtual"] / walls["wall"] - 1
     print(
-        f"\nlab 03 measurement wall time: virtual clock {walls['virtual']:.1f} s, wall clock {walls['wall']:.1f} s "
-        f"({extra:+.0%})"
+        f"\nlab 03 measurement wall time: virtual clock {walls['virtual']:.1f} s, wall clock "
+        f"{walls['wall']:.1f} s ({extra:+.0%})"
     )
     return extra
 

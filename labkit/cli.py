@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+__all__ = ["EXIT_FAILED", "EXIT_USAGE", "main"]
+
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 

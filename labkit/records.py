@@ -17,6 +17,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+__all__ = ["LINE_PREFIX", "RECORD_MIME", "read_records", "record"]
+
 RECORD_MIME = "application/vnd.labkit.record+json"
 LINE_PREFIX = "labkit-record "
 

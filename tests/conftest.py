@@ -1,14 +1,22 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules (a test module never imports another one; what they share is here).
+
+The tree mirrors the package: `tests/<package>/test_<module>.py` tests `labkit/<package>/<module>.py`, and
+`tests/test_<module>.py` a top-level module. No test asserts on the wall clock (the emulated cluster's virtual
+time is a model output and may be asserted); how fast things are is measured by `benchmarks/`.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 # The kernels papermill starts in the tests print quizzes as text (labkit.quiz.show), as `labkit run` does.
 os.environ.setdefault("LABKIT_TEXT_ONLY", "1")
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,6 +31,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    """The checkout's root (solutions/, labs/, pyproject.toml)."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def labkit_env() -> dict[str, str]:
+    """The environment of a subprocess (a kernel, `python -m labkit.cli`) that must import this checkout's
+    labkit even where it is not pip-installed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+@pytest.fixture
+def kernel_finds_labkit(monkeypatch: pytest.MonkeyPatch, labkit_env: dict[str, str]) -> None:
+    """Let the kernels (papermill, nbclient) this test starts import this checkout's labkit."""
+    monkeypatch.setenv("PYTHONPATH", labkit_env["PYTHONPATH"])
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the module: its models are tiny, and on a busy 2-core runner thread
@@ -31,3 +60,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def lab_step():
+    """A factory of lab 02's training step on one process, for measuring its memory:
+    `lab_step(config, micro_batch, precision, checkpointing, set_to_none, accumulate=1)` gives
+    (step, model, optimizer) of a seeded GPT with Adam (bf16 weights for "bf16", bf16 autocast for
+    "autocast")."""
+    from labkit.models import GPT, synthetic_batch
+
+    def make(config, micro_batch, precision="fp32", checkpointing=False, set_to_none=True, accumulate=1):
+        torch.manual_seed(0)
+        model = GPT(config, checkpointing=checkpointing)
+        if precision == "bf16":
+            model = model.to(torch.bfloat16)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            for i in range(accumulate):
+                x, y = synthetic_batch(config, micro_batch, step=i)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+                    loss = model(x, y) / accumulate
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+        return step, model, optimizer
+
+    return make

@@ -1,11 +1,10 @@
 """In a real browser: JupyterLab on localhost, driven in Debian's Chromium by Playwright.
 
 The notebook is made of lab 02's own cells, taken from `labs/02_oom_batch.ipynb` as they are (the memory
-calculator, then the quiz), after one import cell: the whole lab would stop at its first exercise stub. The test
-runs them with Run All Cells, sees the calculator render, moves a slider and sees the estimate change, then answers
-a quiz question and sees the feedback. Skipped, with the reason, where Chromium or Playwright is missing
-(`.ci/run` installs both).
-"""
+calculator, then the quiz), after one import cell: the whole lab would stop at its first exercise stub. The
+test runs them with Run All Cells, sees the calculator render, moves a slider and sees the estimate change,
+then answers a quiz question and sees the feedback. Skipped, with the reason, where Chromium or Playwright is
+missing (`.ci/run` installs both)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""NCCL's flight-recorder dumps read as collective records: the hang diagnosis names the op and the rank on GPUs
-too. The dumps here are written by hand in the documented shape (a pickled dict of `entries`)."""
+"""NCCL's flight-recorder dumps read as collective records: the hang diagnosis names the op and the rank on
+GPUs too. The dumps here are written by hand in the documented shape (a pickled dict of `entries`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _dump(tmp_path, rank: int, entries: list[dict]) -> None:
 def test_a_skipped_all_reduce_is_named_with_the_rank_that_skipped_it(tmp_path):
     _dump(tmp_path, 0, [_entry(1, "completed"), _entry(2, "started")])  # rank 0 waits in all_reduce #2
     _dump(tmp_path, 1, [_entry(1, "completed")])  # rank 1 never called it
-    records = flight_recorder.read_records(tmp_path, 3)  # rank 2 left no dump
+    records = flight_recorder.read_collective_records(tmp_path, 3)  # rank 2 left no dump
     assert set(records) == {0, 1} and records[0]["pending"][0]["op"] == "all_reduce"
     text, culprit = diagnose_hang(records, 3)
     assert "all_reduce #2 (float[1024]) on rank 0 never completed" in text
@@ -44,7 +44,7 @@ def test_a_skipped_all_reduce_is_named_with_the_rank_that_skipped_it(tmp_path):
 def test_a_mismatched_shape_is_a_mismatch(tmp_path):
     _dump(tmp_path, 0, [_entry(1, "started", size=(1024,))])
     _dump(tmp_path, 1, [_entry(1, "started", size=(2048,))])
-    text, culprit = diagnose_hang(flight_recorder.read_records(tmp_path, 2), 2)
+    text, culprit = diagnose_hang(flight_recorder.read_collective_records(tmp_path, 2), 2)
     assert "mismatched collective" in text and culprit == 1
 
 
@@ -53,7 +53,7 @@ def test_the_ranks_are_told_where_to_dump(tmp_path):
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
     (tmp_path / "nccl_trace_rank_0").write_bytes(b"torn")  # a dump cut short is skipped, not an error
-    assert flight_recorder.read_records(tmp_path, 1) == {}
+    assert flight_recorder.read_collective_records(tmp_path, 1) == {}
 
 
 def test_without_any_dump_a_failure_is_reported_at_once(tmp_path, monkeypatch):
@@ -78,44 +78,3 @@ def test_after_a_torchrun_job_hung_the_dumps_are_read_from_the_command_line(tmp_
     )
     assert flight_recorder.main([str(tmp_path / "none"), "--world-size", "2"]) == 1
     assert "no readable dump" in capsys.readouterr().out
-
-
-def test_torchrun_ranks_on_gpus_get_the_flight_recorder(monkeypatch, tmp_path):
-    # Mocked CUDA, one GPU: the variables are set before the NCCL group is made; a user's own are kept.
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from labkit import torchrun
-
-    seen = {}
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(
-        dist,
-        "init_process_group",
-        lambda backend, **kw: seen.update(
-            dump=__import__("os").environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
-            on_timeout=__import__("os").environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT"),
-        ),
-    )
-    for key in (
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE",
-        "TORCH_FR_BUFFER_SIZE",
-    ):
-        monkeypatch.setenv(key, "-")  # recorded, so that what init_group sets is undone after the test
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    torchrun.init_group(timedelta(seconds=5))
-    assert seen == {"dump": str(tmp_path / "nccl_dumps" / "nccl_trace_rank_"), "on_timeout": "1"}
-    assert (tmp_path / "nccl_dumps").is_dir()
-    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/shared/mine_")
-    torchrun.init_group(timedelta(seconds=5))
-    assert seen["dump"] == "/shared/mine_"

@@ -1,8 +1,15 @@
-"""labkit.launch: results, notebook-defined functions, every failure case, interrupts, leaks."""
+"""labkit.launcher: results, notebook-defined functions, every failure case, interrupts, leaks.
+
+No assertion here reads the wall clock: each failure case is told apart by what the error says (which
+mechanism ended the run: the rank's own raise, gloo's collective timeout, the launcher's deadline or its
+straggler grace), and `timeout_s` / `deadline_s` only bound a run that went wrong. How fast the launcher
+reacts (raise to RankError, timeout to RankError, interrupt to every rank gone) is measured by
+benchmarks/launch_latency.py."""
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 import signal
 import subprocess
@@ -30,9 +37,9 @@ def _sum_ranks(offset: int) -> float:
     return t.item() + offset
 
 
-def _raise_on_rank1() -> int:
+def _raise_on_rank1(token: str) -> int:
     if dist.get_rank() == 1:
-        raise ValueError(f"bad value on purpose at {time.time()!r}")
+        raise ValueError(f"bad value on purpose ({token})")
     t = torch.ones(2)
     dist.all_reduce(t)  # rank 0 waits here until it is stopped
     return 0
@@ -89,8 +96,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_gone(pids: list[int], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
+def _gone_eventually(pids: list[int], safety_s: float = 60.0) -> bool:
+    """Whether every process in `pids` goes (polled; `safety_s` only ends a wait that would never end)."""
+    deadline = time.monotonic() + safety_s
     while time.monotonic() < deadline:
         if not any(_alive(p) for p in pids):
             return True
@@ -98,7 +106,7 @@ def _wait_gone(pids: list[int], seconds: float) -> bool:
     return False
 
 
-def _read_pids(base: str, n: int, seconds: float = 30) -> list[int]:
+def _read_pids(base: str, n: int, seconds: float = 60) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -177,7 +185,9 @@ def test_output_comes_back_prefixed_in_rank_order(capfd):
     ],
 )
 def test_bad_input_fails_before_spawning(kwargs, words):
-    if kwargs.get("cluster") == "emulated-small":
+    # the emulated cluster unless the case names one: the refusal must not depend on the GPUs this machine has
+    kwargs = {"cluster": CPU, **kwargs}
+    if kwargs["cluster"] == "emulated-small":
         kwargs["cluster"] = Cluster.emulated(
             nodes=1, gpus_per_node=2, intra_node=labkit.Link(1.0), inter_node=labkit.Link(1.0)
         )
@@ -191,32 +201,32 @@ def test_bad_input_fails_before_spawning(kwargs, words):
     assert set(multiprocessing.active_children()) <= before
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="needs fewer than 8 GPUs")
 def test_more_ranks_than_gpus_is_refused():
-    with pytest.raises(ValueError, match="larger than the .* GPU"):
-        launch(_sum_ranks, 0, world_size=8, cluster="gpu")
+    more = Cluster.detect().gpu_count + 1  # one rank more than this machine has GPUs, whatever it has
+    with pytest.raises(ValueError, match=r"larger than the .* GPU"):
+        launch(_sum_ranks, 0, world_size=more, cluster="gpu")
 
 
 # ------------------------------------------------------------------ failures
 
 
 def test_rank_that_raises_is_named_with_type_message_and_traceback():
-    t0 = time.time()
+    token = os.urandom(4).hex()
     with pytest.raises(RankError) as info:
-        launch(_raise_on_rank1, world_size=2, cluster=CPU, timeout_s=60)
-    caught = time.time()
+        launch(_raise_on_rank1, token, world_size=2, cluster=CPU, timeout_s=60)
     err = info.value
     assert err.rank == 1 and err.kind == "raised" and err.exc_type == "ValueError"
-    assert isinstance(err.__cause__, ValueError)
-    assert "rank 1 raised ValueError: bad value on purpose" in str(err)
+    assert isinstance(err.__cause__, ValueError) and token in str(err.__cause__)  # this run's own exception
+    assert f"rank 1 raised ValueError: bad value on purpose ({token})" in str(err)
     # one short message with the caller's own line; the whole traceback stays on the error
-    assert 'test_launch.py", line' not in str(err) and "where: " in str(err)
-    assert "test_launch.py, line 35, in _raise_on_rank1: raise ValueError(" in str(err)
+    lines, first = inspect.getsourcelines(_raise_on_rank1)
+    line = first + next(i for i, text in enumerate(lines) if "raise ValueError" in text)
+    assert 'test_launcher.py", line' not in str(err) and "where: " in str(err)
+    assert f"test_launcher.py, line {line}, in _raise_on_rank1: raise ValueError(" in str(err)
     assert "labkit/worker.py" not in str(err) and "labkit/worker.py" in err.remote_traceback
     assert len(str(err).splitlines()) <= 4
-    raised_at = float(str(err.__cause__).split(" at ")[1])
-    assert raised_at > t0
-    assert caught - raised_at < 2.0, "the other rank is stopped within 2 s of the raise"
+    # rank 0, in its all_reduce (60 s timeout), was stopped by the launcher at once, not by its timeout
+    assert "rank 0 was stopped while running" in str(err)
 
 
 def _runtime_error_about_sizes_on_rank1() -> int:
@@ -245,14 +255,12 @@ def test_rank_that_dies_is_named_with_code_or_signal(how, words):
 
 
 def test_skipped_collective_names_the_op_and_the_missing_rank():
-    timeout = 5
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as info:
-        launch(_skip_collective_on_rank1, world_size=2, cluster=CPU, timeout_s=timeout)
-    assert time.monotonic() - t0 < timeout + 5 + 5  # + start-up
+    with pytest.raises(RankError) as info:  # deadline_s only ends a run the timeout failed to end
+        launch(_skip_collective_on_rank1, world_size=2, cluster=CPU, timeout_s=5, deadline_s=120)
     msg = str(info.value)
     assert info.value.kind == "hung" and info.value.rank == 1
     assert "all_reduce #2" in msg and "rank 1 is missing" in msg
+    assert "deadline" not in msg  # ended by the collective timeout, not by the safety net
 
 
 def test_shape_mismatch_names_both_shapes():
@@ -289,7 +297,8 @@ def test_interrupt_stops_every_rank_and_next_launch_works(tmp_path):
     finally:
         signal.signal(signal.SIGINT, previous)
     pids = _read_pids(base, 2)
-    assert _wait_gone(pids, 5.0), "every rank is gone within 5 s of the interrupt"
+    # launch stopped and reaped every rank before the interrupt reached the caller
+    assert [p for p in pids if _alive(p)] == [], "every rank is gone once launch has raised"
     assert launch(_sum_ranks, 0, world_size=2, cluster=CPU) == [3.0, 3.0]
 
 
@@ -316,10 +325,8 @@ def _spin_forever() -> None:
 
 
 def test_a_deadline_ends_a_run_stuck_outside_any_collective():
-    t0 = time.time()
-    with pytest.raises(RankError, match="deadline") as info:
+    with pytest.raises(RankError, match=r"within its deadline of \d+ s \(deadline_s\)") as info:
         launch(_spin_forever, world_size=2, cluster=CPU, timeout_s=60, deadline_s=3)
-    assert time.time() - t0 < 10
     assert info.value.kind == "hung" and "a loop that never ends" in str(info.value)
     with pytest.raises(ValueError, match="deadline_s"):
         launch(_spin_forever, world_size=2, cluster=CPU, deadline_s=0)
@@ -343,13 +350,19 @@ def test_a_script_read_from_stdin_is_told_to_use_a_file():
 
 def test_workers_die_when_the_parent_is_killed(tmp_path):
     base = str(tmp_path / "pid")
+    # the ranks' function is the script's own (it travels by value), not imported from this test module
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_launch import _sleep_and_report_pid
+        import os, time
+        import torch.distributed as dist
         import labkit
-        labkit.launch(_sleep_and_report_pid, {base!r}, world_size=2, cluster="cpu")
+
+        def sleep_and_report_pid(path):
+            with open(f"{{path}}.{{dist.get_rank()}}", "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(120)
+
+        labkit.launch(sleep_and_report_pid, {base!r}, world_size=2, cluster="cpu")
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", script])
@@ -358,7 +371,9 @@ def test_workers_die_when_the_parent_is_killed(tmp_path):
     finally:
         parent.kill()
         parent.wait()
-    assert _wait_gone(pids, 5.0), "workers die with a SIGKILLed parent"
+    # the ranks sleep 120 s: they are gone before that only because their parent died (how soon:
+    # benchmarks/launch_latency.py)
+    assert _gone_eventually(pids, safety_s=60.0), "workers die with a SIGKILLed parent"
 
 
 def _count_listening_sockets() -> int:
@@ -420,107 +435,22 @@ def test_two_launches_at_once_do_not_collide():
     assert results == [[3.0, 3.0], [4.0, 4.0]]
 
 
-def _wait_in_all_reduce_while_rank1_sleeps(stamp: str) -> int:
+def _wait_in_all_reduce_while_rank1_sleeps() -> int:
     t = torch.ones(2)
     if dist.get_rank() == 1:
         time.sleep(60)
-    with open(stamp, "w") as f:
-        f.write(repr(time.time()))
     dist.all_reduce(t)
     return 0
 
 
-def test_rank_that_never_arrives_ends_within_timeout_plus_5_s(tmp_path):
-    timeout = 3
-    stamp = str(tmp_path / "entered")
+def test_rank_that_never_arrives_is_named_after_the_collective_timeout():
+    # rank 1 would arrive after 60 s and the all_reduce complete: an error at all means the 3 s timeout
+    # ended it (how soon after the timeout: benchmarks/launch_latency.py)
     with pytest.raises(RankError) as info:
-        launch(_wait_in_all_reduce_while_rank1_sleeps, stamp, world_size=2, cluster=CPU, timeout_s=timeout)
-    elapsed = time.time() - float(open(stamp).read())
-    assert elapsed < timeout + 5, f"the error came {elapsed:.1f} s after rank 0 entered the all_reduce"
+        launch(_wait_in_all_reduce_while_rank1_sleeps, world_size=2, cluster=CPU, timeout_s=3)
     msg = str(info.value)
     assert info.value.kind == "hung" and info.value.rank == 1
     assert "all_reduce #1" in msg and "rank 1 is missing" in msg
-
-
-def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
-    script = tmp_path / "experiment.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import torch, torch.distributed as dist
-            import labkit
-
-            def fn(x):
-                t = torch.tensor([float(dist.get_rank() + x)])
-                dist.all_reduce(t)
-                return t.item()
-
-            def fails_on_rank_1():
-                if dist.get_rank() == 1:
-                    raise ValueError("boom on rank 1")
-                return 0
-
-            if __name__ == "__main__":
-                rank = int(__import__("os").environ["RANK"])
-                results = labkit.launch(fn, 1, world_size=2)
-                if rank == 0:  # the group stays for the script's next launches
-                    print("RESULTS", results, "group kept" if dist.is_initialized() else "group gone", flush=True)
-                def say(line):  # one write per line: the two ranks share this stdout
-                    __import__("os").write(1, (line + "\\n").encode())
-
-                try:  # every rank hears of it at once, not when a collective times out
-                    labkit.launch(fails_on_rank_1, world_size=2, timeout_s=60)
-                except labkit.RankError as err:
-                    say(f"RANKERROR on {rank}: rank {err.rank} {err.exc_type} " + str(err).splitlines()[0])
-                try:
-                    labkit.launch(fn, 1, world_size=2, cluster="cpu")
-                except ValueError as err:
-                    say(f"REFUSED on {rank}: " + str(err)[:60])
-            """
-        )
-    )
-    t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "RESULTS [3.0, 3.0] group kept" in proc.stdout
-    for rank in (0, 1):
-        assert (
-            f"RANKERROR on {rank}: rank 1 ValueError rank 1 raised ValueError: boom on rank 1" in proc.stdout
-        )
-        assert f"REFUSED on {rank}: launch(cluster='cpu') under torchrun: the emulated cluster" in proc.stdout
-    assert time.time() - t0 < 60  # not the 60 s collective timeout of the failing launch
-
-
-def test_torchrun_ranks_get_gloo_for_cpu_and_nccl_for_cuda_tensors(monkeypatch):
-    # Mocked CUDA: a node with one visible GPU. NCCL alone refuses CPU tensors (the old backend was
-    # "nccl" only); two processes on one GPU are refused with the fix.
-    from datetime import timedelta
-
-    from labkit import torchrun
-
-    calls = {}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert torchrun.init_group(timedelta(seconds=5)) is True
-    assert calls["backend"] == "cpu:gloo,cuda:nccl" and calls["device_id"] == torch.device("cuda", 0)
-    # memory_gib is a cap above the warm baseline (cuBLAS workspaces come from the same allocator), as in launch
-    from labkit import runtime
-
-    monkeypatch.setattr(runtime, "cap_above_baseline", lambda rank, gib: calls.update(capped=(rank, gib)))
-    assert torchrun.init_group(timedelta(seconds=5), memory_gib=0.5) is True and calls["capped"] == (0, 0.5)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="has 1 visible GPU.*--nproc-per-node 1"):
-        torchrun.init_group(timedelta(seconds=5))
 
 
 def test_a_task_of_srun_without_torchrun_is_told_how_to_start(monkeypatch):
@@ -577,7 +507,14 @@ def test_many_launches_without_a_collective_never_fail_even_on_busy_cores():
 
 def _rank1_raises_after_rank0_returned() -> int:
     if dist.get_rank() == 1:
-        time.sleep(0.5)  # rank 0 has returned by now and waits to leave with rank 1
+        # wait until rank 0 has returned (its result is written; it waits to leave with rank 1), then fail
+        from pathlib import Path
+
+        from labkit import emulate
+
+        returned = Path(os.environ[emulate.RECORD_DIR_ENV]) / "rank0.result"
+        while not returned.exists():
+            time.sleep(0.01)
         raise ValueError("rank 1 fails")
     return 0
 
@@ -588,70 +525,38 @@ def test_the_error_says_what_each_other_rank_did():
     assert info.value.rank == 1 and "rank 0 returned" in str(info.value)
 
 
-def test_messages_name_what_the_user_set():
-    with pytest.raises(ValueError, match=r"^world_size=0 .*labkit run -p world_size 2"):
-        Cluster.resolve("cpu", 0)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_asking_for_gpus_where_there_are_none_says_so_and_doctor_gives_a_verdict(capsys):
-    from labkit.cli import main
-
-    with pytest.raises(ValueError, match="no GPU.*--cluster cpu"):
-        Cluster.resolve("gpu", 2)
-    assert main(["doctor", "--cluster", "gpu"]) == 1
-    assert "verdict: NOT READY" in capsys.readouterr().out
-
-
 def _rank1_sleeps() -> int:
     if dist.get_rank() == 1:
         time.sleep(120)  # hangs outside any collective
     return 0
 
 
-def test_a_rank_that_hangs_after_the_others_returned_is_named_in_bounded_time():
-    t0 = time.monotonic()
+def test_a_rank_that_hangs_after_the_others_returned_is_named():
+    # rank 1 would return after 120 s: an error means the launcher's grace after rank 0 returned ended it
     with pytest.raises(RankError) as info:
         launch(_rank1_sleeps, world_size=2, cluster=CPU, timeout_s=2)
     assert info.value.rank == 1 and "rank(s) [1] still running" in str(info.value)
-    assert time.monotonic() - t0 < 2 + 15
 
 
-def test_results_come_back_detached_inside_dataclasses_too():
-    from dataclasses import dataclass
-
-    from labkit.worker import to_cpu
-
-    @dataclass(frozen=True)
-    class Result:
-        grads: torch.Tensor
-        rows: list
-        name: str = "r"
-
-    w = torch.ones(3, requires_grad=True)
-    out = to_cpu({"r": Result(grads=w * 2, rows=[(w * 3, 1)])})
-    # pytree walks dicts, lists and tuples but not dataclasses: a CUDA tensor there came back on the GPU
-    assert not out["r"].grads.requires_grad and not out["r"].rows[0][0].requires_grad
-    assert out["r"].rows[0][1] == 1 and out["r"].name == "r" and out["r"].grads.tolist() == [2.0, 2.0, 2.0]
+# ------------------------------------------------------------------ on GPUs
 
 
-def test_a_node_with_one_gpu_uses_it_for_one_rank_and_emulates_more(monkeypatch):
-    # Common: one H200. "auto" used to need two GPUs, so even world_size=1 ran on the CPU.
-    from labkit.cluster import GPU
-    from labkit.links import Link
+def _sum_on_gpu(offset: int) -> tuple[float, str, str]:
+    from labkit import runtime
 
-    one = Cluster(
-        kind="gpu",
-        nodes=1,
-        gpus_per_node=1,
-        intra_node=Link(1.0, 0.0, "none"),
-        inter_node=Link(50.0, 5.0, "InfiniBand (assumed)"),
-        gpus=(GPU(0, "NVIDIA H200", 139.8),),
-    )
-    monkeypatch.setattr(Cluster, "detect", classmethod(lambda cls: one))
-    alone = Cluster.resolve("auto", 1)
-    assert alone.kind == "gpu" and alone.gpu_count == 1 and "1 GPU(s) found" in alone.reason
-    two = Cluster.resolve("auto", 2)
-    assert two.is_emulated and "1 GPU(s) found, 2 ranks asked" in two.reason
-    with pytest.raises(ValueError):
-        Cluster.resolve("gpu", 2)  # asked for two GPUs explicitly: refused, with the count
+    dev = runtime.device()
+    t = torch.full((1 << 20,), float(dist.get_rank() + offset), device=dev)
+    dist.all_reduce(t)
+    return t[0].item(), str(t.device), str(dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nccl_all_reduce(world_size):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world_size > gpus:
+        pytest.skip(f"{world_size} GPUs asked, {gpus} here")
+    results = launch(_sum_on_gpu, 1, world_size=world_size, cluster="gpu", timeout_s=120)
+    want = sum(r + 1 for r in range(world_size))
+    assert [r[0] for r in results] == [want] * world_size
+    assert all(r[1].startswith("cuda") for r in results)

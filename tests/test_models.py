@@ -1,4 +1,5 @@
-"""labkit.models: parameter counts, presets, determinism, loss at init, synthetic data."""
+"""labkit.models: parameter counts, presets, determinism, loss at init, synthetic data, the seeded model every
+rank and reference starts from, and the tensor-parallel sizes a config allows."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from labkit.models import GPT, PRESETS, GPTConfig, synthetic_batch
+from labkit.models import GPT, PRESETS, GPTConfig, check_tp_size, seeded_model, synthetic_batch
 
 CONFIGS = [
     GPTConfig(),
@@ -186,3 +187,34 @@ def test_loss_falls_on_synthetic_data() -> None:
         optimizer.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0]
+
+
+MHA = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8)
+GQA = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8, n_kv_heads=2)
+
+
+def test_check_tp_size_names_the_sizes_that_work():
+    assert check_tp_size(MHA, 4) == 4 and check_tp_size(GQA, 2) == 2
+    with pytest.raises(
+        ValueError,
+        match=r"tensor parallel size 3 does not divide n_heads=4 .*"
+        r"use a tp that divides 4 \(1, 2, 4\)",
+    ):
+        check_tp_size(MHA, 3)
+    with pytest.raises(ValueError, match=r"size 4 does not divide n_kv_heads=2 .*divides 2 \(1, 2\)"):
+        check_tp_size(GQA, 4)
+    odd_ffn = GPTConfig(n_layers=1, d_model=32, n_heads=4, vocab_size=64, seq_len=8, ffn_hidden=30)
+    with pytest.raises(ValueError, match=r"size 4 does not divide ffn_dim=30 .*divides 30 \(1, 2\)"):
+        check_tp_size(odd_ffn, 4)
+    with pytest.raises(ValueError, match=r"tp=0 must be a positive whole number"):
+        check_tp_size(MHA, 0)
+
+
+def test_a_seeded_model_is_the_same_wherever_it_is_made():
+    config = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8)
+    a, b = seeded_model(config, 3), seeded_model(config, 3, "cpu")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.lm_head.weight, seeded_model(config, 4).lm_head.weight)
+    torch.manual_seed(3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), GPT(config).parameters()))
+    assert seeded_model(config, 0, checkpointing=True).checkpointing

@@ -61,4 +61,3 @@ def test_no_private_torch_name_outside_the_compat_module(path: Path):
         if PRIVATE.search(line) and not line.lstrip().startswith("#")
     ]
     assert not hits, "private torch names belong in labkit/_torch_compat.py:\n" + "\n".join(hits)
-

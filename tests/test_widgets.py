@@ -1,5 +1,6 @@
-"""The memory calculator: its bars are `labkit.memory.estimate`'s, its controls redraw it, a refused layout says
-why, and without widgets it is the static figure."""
+"""labkit.widgets: the memory calculator (its bars are `labkit.memory.estimate`'s, its controls redraw it, a
+refused layout says why, and without widgets it is the static figure) and the pipeline explorer (it draws
+`labkit.schedules`' simulation and says why it cannot)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 
 from labkit.memory import estimate
 from labkit.models import GPTConfig
-from labkit.widgets import CARDS, MemoryCalculator, memory_calculator, memory_figure
+from labkit.widgets import (
+    CARDS,
+    MemoryCalculator,
+    memory_calculator,
+    memory_figure,
+    pipeline_explorer,
+    pipeline_figure,
+)
 
 matplotlib.use("Agg")
 
@@ -60,3 +68,19 @@ def test_the_calculator_starts_where_the_notebook_asks():
     assert calc.breakdown.peak == want.peak
     with pytest.raises(ValueError, match="not a control; the controls are model"):
         MemoryCalculator("llama2-7b", "H100 80GB", zero=1)
+
+
+def test_the_explorer_draws_and_reacts():
+    import matplotlib.pyplot as plt
+
+    fig = pipeline_figure(4, 8, "1f1b")
+    assert "bubble 27.3% (formula 27.3%)" in fig.axes[0].get_title()
+    plt.close(fig)
+    box = pipeline_explorer(widgets=True)
+    (_, m), (schedule, _) = box.children[0].children, box.children[1].children
+    schedule.value = "interleaved_1f1b"
+    m.value = 6  # not a multiple of p = 4: the explorer says why instead of drawing
+    assert "not a multiple" in box.children[2].value
+    m.value = 8
+    assert box.children[2].value == ""
+    plt.close("all")

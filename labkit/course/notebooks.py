@@ -32,6 +32,30 @@ from labkit.course.execute import execute
 from labkit.course.parameters import PARAMETERS_TAG, parameters_source, with_parameters
 from labkit.experiments import registry
 
+__all__ = [
+    "BEGIN_SOLUTION",
+    "END_SOLUTION",
+    "HINT_PREFIX",
+    "SOLUTION_ONLY_TAG",
+    "STUB_PREFIX",
+    "build",
+    "check",
+    "has_outputs",
+    "is_stub_error",
+    "lab_text",
+    "lint",
+    "list_notebooks",
+    "make_lab",
+    "notebook_text",
+    "outputs_present",
+    "run_until_stub",
+    "solution_text",
+    "strip",
+    "strip_markdown_solution",
+    "strip_notebook",
+    "stub_code",
+]
+
 BEGIN_SOLUTION = "### BEGIN SOLUTION"
 END_SOLUTION = "### END SOLUTION"
 HINT_PREFIX = "### HINT:"

@@ -25,6 +25,8 @@ from typing import Any
 from labkit.experiments import registry
 from labkit.records import read_records
 
+__all__ = ["HEADLINE_KEYS", "write_report"]
+
 HEADLINE_KEYS = ("metric", "before", "after", "limit", "unit")
 
 

@@ -395,7 +395,7 @@ class Params(LabParams):
 
     LAB = "04_imbalanced_pipeline"
     RANKS = "stages"
-    TEST = {"cluster": "cpu", "steps": 2}
+    TEST = {"cluster": "cpu"}
     SMOKE = {"n_layers": 4, "d_model": 32, "vocab_size": 1024, "seq_len": 16, "global_batch": 8, "steps": 1}
 
     def check(self) -> None:

@@ -9,7 +9,7 @@ pp == 1), then one flat all-reduce averages the gradients over the dp group (not
 to hide it) and Adam steps. Every rank reports its step times on `labkit.timer` (the virtual clock on the
 emulated cluster), the bytes it put on each link class, and optionally its gradients and loss against one
 process on the whole batch (`labkit.training.reference`). `summarize_layout` combines the ranks;
-`measure_rates` times this machine on the model for the planner (`labkit.planner.Rates`). """
+`measure_rates` times this machine on the model for the planner (`labkit.planner.Rates`)."""
 
 from __future__ import annotations
 

@@ -57,18 +57,23 @@ def param(
     return dataclasses.field(default=default, metadata=meta)
 
 
+_NAMES = {
+    int: "a whole number",
+    float: "a number",
+    bool: "True or False",
+    str: "a string",
+    type(None): "None",
+}
+_PLURALS = {int: "whole numbers", float: "numbers", bool: "True or False values", str: "strings"}
+
+
 def _type_name(kind: Any) -> str:
     if get_origin(kind) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(k) for k in get_args(kind))
     if get_origin(kind) is list:
-        return f"a list of {_type_name(get_args(kind)[0])}"
-    return {
-        int: "a whole number",
-        float: "a number",
-        bool: "True or False",
-        str: "a string",
-        type(None): "None",
-    }.get(kind, str(kind))
+        (item,) = get_args(kind)
+        return f"a list of {_PLURALS.get(item, str(item))}"
+    return _NAMES.get(kind, str(kind))
 
 
 def _conforms(value: Any, kind: Any) -> bool:

@@ -76,7 +76,7 @@ class Trainer:
 
     `ddp_class`: the `OverlappedDDP` (sub)class for `grad_sync="overlapped"` (a learner's, in lab 03).
     `comm_log`: where the gradient sync logs its collectives, for `capture(..., comm_log=...)` (None: not
-    logged). """
+    logged)."""
 
     def __init__(
         self,

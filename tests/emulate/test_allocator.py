@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.emulate import CachingAllocator, MemoryBudget
+from labkit.emulate import CachingAllocator
 from labkit.emulate.allocator import allocation_size, format_size, round_size
 
 KiB, MiB = 2**10, 2**20
@@ -294,59 +294,3 @@ def test_oom_without_a_fragmented_cache_does_not_suggest_expandable_segments():
         "20.00 MiB",
         "1.50 GiB",
     ]
-
-
-# ------------------------------------------------------------------ MemoryBudget with an allocator
-
-
-def test_budget_without_allocator_reports_reserved_as_allocated():
-    with MemoryBudget(2**30) as budget:
-        x = torch.empty(1000)
-        assert budget.reserved == budget.allocated == 4000 and budget.peak_reserved == 4000
-        del x
-
-
-def test_budget_with_the_caching_allocator_raises_its_fragmentation_oom():
-    # The same program fits a plain 40 MiB budget (20 MiB live + 8 MiB), not the caching allocator.
-    def program() -> None:
-        live = [torch.empty(4 * MiB, dtype=torch.uint8) for _ in range(10)]
-        del live[::2]
-        torch.empty(8 * MiB, dtype=torch.uint8)
-
-    with MemoryBudget(40 * MiB):
-        program()
-    with MemoryBudget(40 * MiB, rank=1, allocator="caching") as budget:
-        try:
-            program()
-            msg = ""
-        except torch.OutOfMemoryError as error:  # not pytest.raises: its traceback keeps the tensors
-            msg = str(error)
-        assert "Rank 1's emulated GPU has a total capacity of 40.00 MiB" in msg
-        assert "expandable_segments:True" in msg and "(emulated caching allocator)" in msg
-        assert budget.allocated == 0 and budget.allocator.allocated == 0  # the tensors died with the frame
-        assert budget.reserved == budget.peak_reserved == 40 * MiB  # the segments stay cached
-
-
-def test_budget_with_an_allocator_frees_reserves_and_resets():
-    with MemoryBudget(64 * MiB, allocator="expandable") as budget:
-        assert budget.allocator.expandable_segments
-        x = torch.empty(3 * MiB, dtype=torch.uint8)
-        assert (budget.allocated, budget.reserved) == (3 * MiB, 20 * MiB)  # one 20 MiB page
-        assert budget.reserved >= budget.allocated
-        del x
-        assert (budget.allocated, budget.allocator.allocated, budget.reserved) == (0, 0, 20 * MiB)
-        budget.reset_peak()
-        assert (budget.peak, budget.peak_reserved) == (0, 20 * MiB)
-    mine = CachingAllocator(16 * MiB)
-    with MemoryBudget(16 * MiB, allocator=mine) as budget:
-        y = torch.empty(256)
-        assert (mine.allocated, mine.reserved) == (1024, 2 * MiB)
-        del y
-    with pytest.raises(
-        ValueError, match=r"allocator.capacity_bytes=16777216 must equal limit_bytes=33554432"
-    ):
-        MemoryBudget(32 * MiB, allocator=mine)
-    with pytest.raises(
-        ValueError, match=r"MemoryBudget allocator='cuda' must be one of 'caching', 'expandable'"
-    ):
-        MemoryBudget(32 * MiB, allocator="cuda")

@@ -1,4 +1,8 @@
-"""The emulated cluster: link timing, DDP and pipelining over it, the memory budget."""
+"""labkit.emulate.process_group: the emulated group charges the ring formula on the wall clock (clock="wall")
+and never beats it, and DDP, batched point-to-point and pipelining run over it with one process's numerics.
+
+How close the wall clock comes to the model from above depends on the machine and its load: that is measured
+by benchmarks/emulated_link.py (medians, `--check`), not asserted here. The virtual clock: test_timing.py."""
 
 from __future__ import annotations
 
@@ -9,8 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import labkit
-from labkit import Cluster, Link, MemoryBudget, launch
+from labkit import Cluster, Link, launch
 from labkit.links import collective_time_s
 
 
@@ -26,26 +29,7 @@ def _cluster(
     )
 
 
-# ------------------------------------------------------------------ time model
-
-
-def test_ring_formulas():
-    link = Link(bandwidth_gb_s=1.0, latency_us=0.0)
-    n_bytes = 1_000_000_000
-    assert collective_time_s("all_reduce", n_bytes, 2, link) == pytest.approx(1.0)  # 2(n-1)/n = 1
-    assert collective_time_s("all_reduce", n_bytes, 4, link) == pytest.approx(1.5)  # 2*3/4
-    assert collective_time_s("all_gather", n_bytes, 4, link) == pytest.approx(0.75)  # (n-1)/n
-    assert collective_time_s("broadcast", n_bytes, 8, link) == pytest.approx(1.0)
-    assert collective_time_s("all_reduce", n_bytes, 1, link) == 0.0
-    lat = Link(bandwidth_gb_s=1e9, latency_us=10.0)
-    assert collective_time_s("all_reduce", 0, 4, lat) == pytest.approx(6 * 10e-6)  # 2(n-1) steps
-
-
-def test_bad_link_is_refused():
-    with pytest.raises(ValueError, match="bandwidth_gb_s=0"):
-        Link(0.0)
-    with pytest.raises(ValueError, match="nodes=0"):
-        Cluster.emulated(nodes=0)
+# ------------------------------------------------ the wall clock (clock="wall")
 
 
 def _time_allreduce(mib: int, iters: int) -> list[tuple[float, float]]:
@@ -64,11 +48,12 @@ def _time_allreduce(mib: int, iters: int) -> list[tuple[float, float]]:
     return times
 
 
-# The wall clock (Cluster.emulated(clock="wall")): what must hold on any machine is that the group
-# charges the ring formula and no collective beats it on the wall clock.
-# How close a fast link's measurement comes to the model depends on the runner (CI once took
-# 81 ms for 64 MiB at 1 GB/s, modelled 67 ms: gloo's own loopback copy was the slower of the
-# two there); that is measured by benchmarks/emulated_link.py, not asserted here.
+# What holds on any machine: the group charges the ring formula, and no collective completes before it (the
+# completion thread sleeps until the modelled time after the issue, so `measured >= model` holds by
+# construction, at any speed). How close a measurement comes to the model depends on the runner (CI once took
+# 81 ms for 64 MiB at 1 GB/s, modelled 67 ms: gloo's own loopback copy was the slower of the two there), and
+# how much the emulator adds when the link is the bottleneck (64 MiB at 0.1 GB/s, within 20 % of the model):
+# both are measured by benchmarks/emulated_link.py, not asserted here.
 
 
 def test_allreduce_charges_the_ring_time_and_never_beats_it():
@@ -79,20 +64,6 @@ def test_allreduce_charges_the_ring_time_and_never_beats_it():
         for measured, charged in rank_times:
             assert charged == pytest.approx(model)
             assert measured >= model, f"{measured * 1e3:.2f} ms beat the model's {model * 1e3:.2f} ms"
-
-
-def test_allreduce_takes_the_modelled_time_when_the_link_is_the_bottleneck():
-    # 64 MiB at 0.1 GB/s is modelled at 671 ms, several times what gloo's loopback copy takes
-    # even on a loaded runner: the modelled link, not the machine, decides the time, and the
-    # emulator must add nothing of its own beyond a 20 % margin (median of 3).
-    model = collective_time_s("all_reduce", 64 * 2**20, 2, Link(0.1, 10.0))
-    rank_times = launch(
-        _time_allreduce, 64, 3, world_size=2, cluster=_cluster(bw=0.1, latency_us=10.0, clock="wall")
-    )[0]
-    median = sorted(measured for measured, _ in rank_times)[1]
-    assert median == pytest.approx(model, rel=0.20), (
-        f"median {median * 1e3:.0f} ms vs model {model * 1e3:.0f} ms"
-    )
 
 
 def _async_overlaps(mib: int) -> tuple[bool, float]:
@@ -211,50 +182,3 @@ def test_pipelining_runs_over_the_emulated_link():
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     expected = torch.stack([full(c).pow(2).mean() for c in x.chunk(4)]).mean().item()
     assert out[0] is None and out[1] == pytest.approx(expected, rel=1e-5)
-
-
-# ----------------------------------------------------------------- memory budget
-
-
-def test_budget_raises_a_cuda_like_oom_and_frees():
-    budget = MemoryBudget(4 * 2**20, rank=3)
-    with budget:
-        a = torch.zeros(2**19)  # 2 MiB
-        assert labkit.memory_allocated() == 2 * 2**20
-        with pytest.raises(torch.OutOfMemoryError) as info:
-            torch.zeros(2**20)  # 4 MiB more
-        msg = str(info.value)
-        assert "Tried to allocate 4.00 MiB" in msg and "Rank 3" in msg and "4.00 MiB" in msg
-        assert "2.00 MiB is free" in msg
-        del a
-        assert labkit.memory_allocated() == 0
-        b = torch.zeros(2**19) + 1  # two 2 MiB tensors alive at once at most
-        del b
-        assert labkit.max_memory_allocated() == 4 * 2**20
-
-
-def test_budget_counts_views_once_and_tracks_existing_tensors():
-    model = nn.Linear(256, 256)  # made before the budget starts
-    with MemoryBudget(2**30) as budget:
-        budget.track(model)
-        params = sum(p.numel() * 4 for p in model.parameters())
-        assert budget.allocated == params
-        x = torch.zeros(1024)
-        _ = x.view(32, 32), x[:10]
-        assert budget.allocated == params + 4096
-
-
-def _oom_training(batch: int) -> int:
-    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-    x = torch.randn(batch, 512)
-    model(x).sum().backward()
-    return batch
-
-
-def test_budget_through_launch_names_the_rank():
-    small = _cluster(bw=1.0, memory_gib=16 / 1024)  # 16 MiB per rank; params + grads take 8
-    assert launch(_oom_training, 8, world_size=2, cluster=small) == [8, 8]
-    with pytest.raises(labkit.RankError) as info:
-        launch(_oom_training, 4096, world_size=2, cluster=small)
-    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
-    assert "out of memory" in str(info.value)

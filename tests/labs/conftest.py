@@ -5,6 +5,7 @@ test file (tests/labs/test_<lab>.py) holds that lab's expectations once and appl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -44,7 +45,9 @@ def run_solution(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     def run(lab: str, **overrides: Any) -> dict[str, Any]:
         params = {**registry.params_of(lab).TEST, **overrides}
         out = tmp_path / f"{lab}.ipynb"
-        done = execute(ROOT / "solutions" / f"{lab}.ipynb", out, parameters=params, cwd=tmp_path, cell_timeout=300)
+        done = execute(
+            ROOT / "solutions" / f"{lab}.ipynb", out, parameters=params, cwd=tmp_path, cell_timeout=300
+        )
         assert done.ok, f"{lab} with {params}: {done.error}"
         return read_records(out)
 
@@ -57,8 +60,9 @@ def code_cells(path: Path) -> list[str]:
 
 @pytest.fixture
 def lab_matches_solution() -> Callable[[str], None]:
-    """Up to its first stub a lab is its solution's code, cell for cell: the solution's papermill run runs exactly
-    those cells, so the lab runs until its first exercise (no solution-only cell may come before it)."""
+    """Up to its first stub a lab is its solution's code, cell for cell: the solution's papermill run runs
+    exactly those cells, so the lab runs until its first exercise (no solution-only cell may come before
+    it)."""
 
     def check(lab: str) -> None:
         mine = code_cells(ROOT / "labs" / f"{lab}.ipynb")
@@ -67,7 +71,8 @@ def lab_matches_solution() -> Callable[[str], None]:
         first_exercise = next(i for i, src in enumerate(solution) if "### BEGIN SOLUTION" in src)
         assert mine[:first_stub] == solution[:first_exercise], (
             f"{lab}: before its first exercise the lab's code differs from its solution's (a solution-only "
-            "cell, or labs/ out of date: run labkit build)")
+            "cell, or labs/ out of date: run labkit build)"
+        )
 
     return check
 
@@ -81,8 +86,20 @@ def torchrun_lab(tmp_path: Path) -> Callable[..., tuple[subprocess.CompletedProc
         params = registry.params_of(lab)
         sets = [a for k, v in params.SMOKE.items() for a in ("--set", k, json.dumps(v))]
         out = tmp_path / f"{lab}_{n}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m",
-               registry.module_of(lab), "--out", str(out), *sets, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(n),
+            "-m",
+            registry.module_of(lab),
+            "--out",
+            str(out),
+            *sets,
+            *args,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=_env())
         return proc, (json.loads(out.read_text()) if out.exists() else None)
 
@@ -97,7 +114,7 @@ def _check_common(rec: dict[str, Any], lab: str, *, torchrun: bool, world_size: 
     assert isinstance(rec["before"], float) and isinstance(rec["after"], float) and rec["after"] > 0
     if torchrun:
         assert rec["lab"] == lab and rec["torchrun"] is True and rec["world_size"] == world_size
-        assert rec["emulated"] is False and "torchrun on CPU" in rec["where"]
+        assert rec["emulated"] is False and ("torchrun on CPU" in rec["where"] or "on GPU" in rec["where"])
 
 
 @pytest.fixture
@@ -114,15 +131,18 @@ def cut_notebook(lab: str, exercise: str, check: str) -> nbformat.NotebookNode:
     tagged exercise_setup, the exercise and its check, in the solution's order."""
     nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    keep = code[:2] + [c for c in code[2:] if exercise in c.source or check in c.source
-                       or "exercise_setup" in c.metadata.get("tags", [])]
+    keep = code[:2] + [
+        c
+        for c in code[2:]
+        if exercise in c.source or check in c.source or "exercise_setup" in c.metadata.get("tags", [])
+    ]
     nb.cells = keep
     return nb
 
 
 def mutate(source: str, edits: dict[Any, str], lab: str) -> str:
-    """`source` with each edit made inside its solution blocks (### BEGIN SOLUTION ... ### END SOLUTION); a key
-    that is a (first line, last line) pair replaces that range."""
+    """`source` with each edit made inside its solution blocks (### BEGIN SOLUTION ... ### END SOLUTION); a
+    key that is a (first line, last line) pair replaces that range."""
     parts = source.split("### END SOLUTION")
     for old, new in edits.items():
         first, last = old if isinstance(old, tuple) else (old, old)
@@ -137,25 +157,31 @@ def mutate(source: str, edits: dict[Any, str], lab: str) -> str:
 
 @pytest.fixture(scope="module")
 def mutations_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, tuple[str, str]]]:
-    """`mutations_run(lab, exercise, check, mistakes)`: in one kernel, the cut notebook's cells before the exercise
-    once, then for each mistake the exercise cell with its edits and the check cell (and the right answer
-    last); per mistake, (the source of the cell that failed, its error's text) — ("", "") if nothing failed.
-    One kernel per lab: each mistake's cells run after the setup, as a learner's re-run of the two cells."""
+    """`mutations_run(lab, exercise, check, mistakes)`: in one kernel, the cut notebook's cells before the
+    exercise once, then for each mistake the exercise cell with its edits and the check cell (and the right
+    answer last); per mistake, (the source of the cell that failed, its error's text) — ("", "") if nothing
+    failed. One kernel per lab: each mistake's cells run after the setup, as a learner's re-run of the two
+    cells."""
     cache: dict[tuple, dict[str, tuple[str, str]]] = {}
 
-    def run(lab: str, exercise: str, check: str, mistakes: dict[str, dict[Any, str]]) -> dict[str, tuple[str, str]]:
+    def run(
+        lab: str, exercise: str, check: str, mistakes: dict[str, dict[Any, str]]
+    ) -> dict[str, tuple[str, str]]:
         key = (lab, exercise, check, tuple(mistakes))
         if key in cache:
             return cache[key]
         nb = cut_notebook(lab, exercise, check)
         at = next(i for i, c in enumerate(nb.cells) if exercise in c.source)
         setup, rest = nb.cells[:at], nb.cells[at:]
-        # the parameters cell, then the test's overrides as papermill would inject them, then the rest of the setup
+        # the parameters cell, then the test's overrides as papermill would inject them, then the rest of the
+        # setup
         overrides = "\n".join(f"{k} = {v!r}" for k, v in registry.params_of(lab).TEST.items())
         cells = [setup[0], nbformat.v4.new_code_cell(overrides), *setup[1:]]
         out: dict[str, tuple[str, str]] = {}
         cwd = tmp_path_factory.mktemp(lab)
-        client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+        client = NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+        )
         nb.cells = []
 
         def execute_cell(cell: nbformat.NotebookNode) -> None:
@@ -166,8 +192,12 @@ def mutations_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dic
             for cell in cells:
                 execute_cell(cell)
             for name, edits in [*mistakes.items(), ("the right answer", {})]:
-                trial = [nbformat.v4.new_code_cell(mutate(c.source, edits, lab) if exercise in c.source else c.source)
-                         for c in rest]
+                trial = [
+                    nbformat.v4.new_code_cell(
+                        mutate(c.source, edits, lab) if exercise in c.source else c.source
+                    )
+                    for c in rest
+                ]
                 out[name] = ("", "")
                 for cell in trial:
                     try:
@@ -177,5 +207,60 @@ def mutations_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dic
                         break
         cache[key] = out
         return out
+
+    return run
+
+
+# ------------------------------------------------------------------------------ on GPUs (tests/gpu_check.sh)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _fewest_ranks(lab: str) -> int:
+    """The fewest ranks a lab runs on (its ranks field's minimum)."""
+    params = registry.params_of(lab)
+    field = next(f for f in dataclasses.fields(params) if f.name == params.RANKS)
+    return int(field.metadata.get("minimum") or 1)
+
+
+@pytest.fixture
+def gpu_notebook(tmp_path: Path) -> Callable[[str], dict[str, Any]]:
+    """`gpu_notebook(lab)`: the solution notebook on this machine's GPUs when it has as many as the lab's
+    default ranks (cluster="gpu"), else on "auto", which picks the emulated cluster as a learner's would; its
+    records."""
+
+    def run(lab: str) -> dict[str, Any]:
+        params = registry.params_of(lab)
+        cluster = "gpu" if _gpus() >= (params().ranks or 1) else "auto"
+        out = tmp_path / f"{lab}.ipynb"
+        done = execute(
+            ROOT / "solutions" / f"{lab}.ipynb",
+            out,
+            parameters={**params.TEST, "cluster": cluster},
+            cwd=tmp_path,
+            cell_timeout=300,
+        )
+        assert done.ok, f"{lab} on {cluster}: {done.error}"
+        return read_records(out)
+
+    return run
+
+
+@pytest.fixture
+def gpu_torchrun(torchrun_lab) -> Callable[[str], dict[str, Any]]:
+    """`gpu_torchrun(lab)`: the lab's script under torchrun on this node's GPUs (up to 4); its records."""
+
+    def run(lab: str) -> dict[str, Any]:
+        n = min(_gpus(), 4)
+        if n < _fewest_ranks(lab):
+            pytest.skip(f"{lab} needs {_fewest_ranks(lab)} ranks, {n} GPU(s) here")
+        proc, rec = torchrun_lab(lab, n)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert rec["torchrun"] is True and rec["emulated"] is False and "measured on GPU" in rec["where"]
+        return rec
 
     return run

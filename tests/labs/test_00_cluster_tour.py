@@ -1,4 +1,5 @@
-"""Lab 00, the cluster tour: its notebook, its script under torchrun, and the wrong answers to its exercise."""
+"""Lab 00, the cluster tour: its notebook, its script under torchrun, and the wrong answers to its
+exercise."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def test_the_script_under_torchrun(torchrun_lab, check_common, n):
 EXERCISE = ("def sum_over_ranks", "check_sum_over_ranks(results")
 MISTAKES = {
     "all_reduce result assigned": ({"dist.all_reduce(t)": "t = dist.all_reduce(t)"}, "returns None"),
-    "sum divided by world size": ({"dist.all_reduce(t)": "dist.all_reduce(t)\n    t /= dist.get_world_size()"},
-                                  "do not divide"),
+    "sum divided by world size": (
+        {"dist.all_reduce(t)": "dist.all_reduce(t)\n    t /= dist.get_world_size()"},
+        "do not divide",
+    ),
     "no all_reduce": ({"dist.all_reduce(t)": "pass"}, "still holds its own value"),
 }
 
@@ -56,3 +59,17 @@ def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, name):
 def test_the_right_answer_passes_the_check(mutations_run):
     failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
     assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]
+
+
+@pytest.mark.gpu
+def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common):
+    rec = gpu_notebook(LAB)
+    if rec["emulated"]:  # fewer GPUs than the lab's ranks: "auto" ran it on the emulated cluster
+        expect(rec, check_common)
+    else:
+        check_common(rec, LAB, torchrun=False, world_size=0)
+
+
+@pytest.mark.gpu
+def test_the_script_under_torchrun_on_the_gpus_there_are(gpu_torchrun, check_common):
+    check_common(gpu_torchrun(LAB), LAB, torchrun=False, world_size=0)

@@ -1,5 +1,5 @@
-"""Lab 01, the parallelism choice: its notebook, its script under torchrun (one node, and two nodes on this host),
-and the wrong answers to its two exercises."""
+"""Lab 01, the parallelism choice: its notebook, its script under torchrun (one node, and two nodes on this
+host), and the wrong answers to its two exercises."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_s
     check_common(rec, LAB, torchrun=torchrun, world_size=world_size)
     layouts = {r["layout"] for r in rec["sweep"]}
     # the notebook rounds its table to 0.1 ms
-    assert rec["pick"] in layouts and rec["limit"] == pytest.approx(min(r["measured_ms"] for r in rec["sweep"]), abs=0.06)
+    assert rec["pick"] in layouts and rec["limit"] == pytest.approx(
+        min(r["measured_ms"] for r in rec["sweep"]), abs=0.06
+    )
     if rec["emulated"]:  # virtual time: the lesson's targets hold
         assert rec["unit"] == "ms" and rec["limit"] <= rec["after"] <= 1.1 * rec["limit"]
         assert rec["after"] < rec["before"] / 5 and rec["spearman"] >= 0.8 and len(rec["sweep"]) >= 6
@@ -46,18 +48,45 @@ def test_the_script_under_torchrun(torchrun_lab, check_common, n):
 
 
 def test_two_nodes_under_torchrun_count_the_bytes_that_cross_between_them(tmp_path):
-    """`torchrun --nnodes 2` on one host (two torchrun agents meeting at a c10d rendezvous), one rank each: the
-    records know the two nodes, and the tensor-parallel mistake sends its all-reduces over the link between."""
+    """`torchrun --nnodes 2` on one host (two torchrun agents meeting at a c10d rendezvous), one rank each:
+    the records know the two nodes, and the tensor-parallel mistake sends its all-reduces over the link
+    between."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sets = [a for k, v in registry.params_of(LAB).SMOKE.items() for a in ("--set", k, json.dumps(v))]
     out = tmp_path / "two_nodes.json"
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-         str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-         "-m", registry.module_of(LAB), "--out", str(out), *sets],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "two-nodes",
+                "-m",
+                registry.module_of(LAB),
+                "--out",
+                str(out),
+                *sets,
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         outs = [a.communicate(timeout=180)[0] for a in agents]
     finally:  # a hung agent: SIGTERM first, which torchrun passes on to its worker, so no rank is left behind
@@ -79,9 +108,13 @@ TP_COMM = ("def my_tp_comm_ms(config, micro_batch, tp, link)", "check_tp_comm(my
 TP_MISTAKES = {
     "forward all-reduces only": (
         {"config.n_layers * 4 * collective_time_s": "config.n_layers * 2 * collective_time_s"},
-        "backward has two more"),
+        "backward has two more",
+    ),
     "a 1/tp shard all-reduced": ({"config.d_model * 4\n": "config.d_model * 4 // tp\n"}, "1/tp shard"),
-    "one block only": ({"config.n_layers * 4 * collective_time_s": "4 * collective_time_s"}, "multiply by the"),
+    "one block only": (
+        {"config.n_layers * 4 * collective_time_s": "4 * collective_time_s"},
+        "multiply by the",
+    ),
 }
 LAYOUT = ("my_layout = (mine.dp, mine.tp, mine.pp)", "check_layout_choice(my_layout")
 # a product that is not the world size, and a reason without the plan's numbers: tests/test_planner.py
@@ -92,7 +125,9 @@ LAYOUT_MISTAKES = {
 }
 
 
-CASES = [(TP_COMM, TP_MISTAKES, n) for n in TP_MISTAKES] + [(LAYOUT, LAYOUT_MISTAKES, n) for n in LAYOUT_MISTAKES]
+CASES = [(TP_COMM, TP_MISTAKES, n) for n in TP_MISTAKES] + [
+    (LAYOUT, LAYOUT_MISTAKES, n) for n in LAYOUT_MISTAKES
+]
 
 
 @pytest.mark.parametrize("exercise,mistakes,name", CASES, ids=[name for *_, name in CASES])
@@ -103,8 +138,23 @@ def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, exercise
     assert mistakes[name][1] in error, f"{name}: the hint does not name the mistake: {error[-1500:]}"
 
 
-@pytest.mark.parametrize("exercise,mistakes", [(TP_COMM, TP_MISTAKES), (LAYOUT, LAYOUT_MISTAKES)],
-                         ids=["tp_comm", "layout"])
+@pytest.mark.parametrize(
+    "exercise,mistakes", [(TP_COMM, TP_MISTAKES), (LAYOUT, LAYOUT_MISTAKES)], ids=["tp_comm", "layout"]
+)
 def test_the_right_answer_passes_the_check(mutations_run, exercise, mistakes):
     failed = mutations_run(LAB, *exercise, {k: edits for k, (edits, _) in mistakes.items()})
     assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]
+
+
+@pytest.mark.gpu
+def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common):
+    rec = gpu_notebook(LAB)
+    if rec["emulated"]:  # fewer GPUs than the lab's ranks: "auto" ran it on the emulated cluster
+        expect(rec, check_common)
+    else:
+        check_common(rec, LAB, torchrun=False, world_size=0)
+
+
+@pytest.mark.gpu
+def test_the_script_under_torchrun_on_the_gpus_there_are(gpu_torchrun, check_common):
+    check_common(gpu_torchrun(LAB), LAB, torchrun=False, world_size=0)

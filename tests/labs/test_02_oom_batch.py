@@ -37,15 +37,21 @@ def test_the_script_under_torchrun(torchrun_lab, check_common, n):
 EXERCISE = ("def accumulate(ddp, batches)", "check_accumulation(fixed")
 MISTAKES = {
     "forward outside no_sync": (
-        {"        with ddp.no_sync():\n            (ddp(x, y) / n).backward()":
-         "        loss = ddp(x, y) / n\n        with ddp.no_sync():\n            loss.backward()"},
-        "its forward as well as its backward"),
+        {
+            "        with ddp.no_sync():\n            (ddp(x, y) / n).backward()": "        loss = ddp(x, y) / n\n        with ddp.no_sync():\n            loss.backward()"
+        },
+        "its forward as well as its backward",
+    ),
     "no_sync on every micro-step": (
-        {"    x, y = batches[-1]\n    (ddp(x, y) / n).backward()":
-         "    x, y = batches[-1]\n    with ddp.no_sync():\n        (ddp(x, y) / n).backward()"},
-        "Run the last micro-batch outside"),
-    "last micro-batch forgotten": ({"    x, y = batches[-1]\n    (ddp(x, y) / n).backward()": ""},
-                                   "7 forward passes for 8 micro-batches"),
+        {
+            "    x, y = batches[-1]\n    (ddp(x, y) / n).backward()": "    x, y = batches[-1]\n    with ddp.no_sync():\n        (ddp(x, y) / n).backward()"
+        },
+        "Run the last micro-batch outside",
+    ),
+    "last micro-batch forgotten": (
+        {"    x, y = batches[-1]\n    (ddp(x, y) / n).backward()": ""},
+        "7 forward passes for 8 micro-batches",
+    ),
 }
 
 
@@ -60,3 +66,17 @@ def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, name):
 def test_the_right_answer_passes_the_check(mutations_run):
     failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
     assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]
+
+
+@pytest.mark.gpu
+def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common):
+    rec = gpu_notebook(LAB)
+    if rec["emulated"]:  # fewer GPUs than the lab's ranks: "auto" ran it on the emulated cluster
+        expect(rec, check_common)
+    else:
+        check_common(rec, LAB, torchrun=False, world_size=0)
+
+
+@pytest.mark.gpu
+def test_the_script_under_torchrun_on_the_gpus_there_are(gpu_torchrun, check_common):
+    check_common(gpu_torchrun(LAB), LAB, torchrun=False, world_size=0)

@@ -1,0 +1,55 @@
+"""The capstone's driver: the seed deals different jobs from the one table of mistakes, and its GPU's memory
+separates them (on real runs of the emulated cluster)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from labkit import Cluster, RankError, launch
+from labkit.experiments.capstone import DEALT, draw, train
+from labkit.training import MISTAKES, TrainingJob
+from labkit.training.job import job_name
+from labkit.training.mistakes import planted_by_knobs
+
+CPU = Cluster.emulated(gpus_per_node=2)
+
+
+def test_the_seed_deals_every_combination_and_hides_the_answer():
+    dealt = Counter(draw(seed).planted for seed in range(300))
+    combos = {c for k in (2, 3) for c in itertools.combinations(DEALT, k)}
+    assert set(dealt) == combos  # all 20: every sitting can get a different job
+    cap = draw(5)
+    assert draw(5) == cap and "planted" not in repr(cap) and "clean=" not in repr(cap)
+    for seed in range(40):
+        cap = draw(seed)
+        changed = {k for k, v in dataclasses.asdict(cap.job).items() if getattr(cap.clean, k) != v}
+        assert changed == {MISTAKES[m].knob for m in cap.planted}, seed  # each planted by its one knob
+        assert planted_by_knobs(cap.job) == set(cap.planted) - {"oom_batch"}
+        assert cap.job.global_batch == cap.clean.global_batch
+    with pytest.raises(ValueError, match="data-parallel job; use 2 or more ranks"):
+        draw(0, world_size=1)
+    with pytest.raises(ValueError, match="eval_rank=3 is not a rank of 2"):
+        TrainingJob(eval_rank=3).check(2)
+    with pytest.raises(ValueError, match="micro_batch"):
+        TrainingJob(global_batch=16, micro_batch=3).check(2)
+    assert job_name(TrainingJob(grad_sync="per_tensor")) == "grad_sync-per_tensor"
+
+
+def test_the_gpu_memory_fits_the_clean_job_and_its_logging_but_not_the_whole_batch(tmp_path):
+    cap = draw(0)
+    clean = cap.clean
+    fits = [clean, dataclasses.replace(clean, accuracy="gathered"), dataclasses.replace(clean, eval_rank=0)]
+    per_rank = launch(train, cap, fits, str(tmp_path), steps=1, trace_steps=1, world_size=2, cluster=CPU)
+    peaks = [max(rank[i].peak_mib for rank in per_rank) for i in range(len(fits))]
+    assert all(0.5 * cap.memory_mib < p < 0.95 * cap.memory_mib for p in peaks), (peaks, cap.memory_mib)
+    assert peaks[1] > peaks[0]  # the gathered logits take memory too
+    with pytest.raises(RankError) as info:
+        launch(
+            train, cap, [dataclasses.replace(clean, micro_batch=8)], str(tmp_path), world_size=2, cluster=CPU
+        )
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)

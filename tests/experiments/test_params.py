@@ -1,0 +1,183 @@
+"""labkit.experiments.params: each lab's typed `Params`. A value of the wrong type or out of range is a
+`ParamError` (a ValueError) naming the field and a value that works, written as the user would type it
+(`--set`, `-p`, the parameters cell, a call); `from_text` reads JSON with bare words as strings; every lab
+resolves its rank-dependent defaults on 2, 4 and 8 ranks, and refuses 1 where it needs two."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from labkit.experiments import registry
+from labkit.experiments.params import FORMS, LabParams, ParamError
+from labkit.validate import ParamError as ValidateParamError
+
+LAB03 = registry.params_of("03")
+
+FIX = {
+    "set": "set it with --set n_layers 6",
+    "p": "set it with -p n_layers 6",
+    "cell": "write n_layers = 6 in the parameters cell (or -p n_layers 6 with labkit run / papermill)",
+    "python": "pass n_layers=6",
+}
+
+
+def test_the_error_is_a_value_error_from_labkit_validate():
+    assert ParamError is ValidateParamError and issubclass(ParamError, ValueError)
+    assert set(FORMS) == set(FIX)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "value, constraint",
+    [
+        ("six", "must be a whole number"),
+        (0, "must be a whole number with >= 1"),
+        (2.5, "must be a whole number"),
+    ],
+)
+def test_a_bad_value_names_the_field_and_the_fix_in_the_form_it_was_typed(form, value, constraint):
+    with pytest.raises(ParamError) as info:
+        LAB03.make({"n_layers": value}, form)
+    err = info.value
+    assert (err.name, err.value, err.form) == ("n_layers", value, form)
+    assert str(err) == f"n_layers={value!r} {constraint}; {FIX[form]}"
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {"bucket_cap_mb": 0},
+            "bucket_cap_mb=0 must be a number with > 0; set it with --set bucket_cap_mb 0.5",
+        ),
+        (
+            {"sweep_caps_mb": [1, -1]},
+            "sweep_caps_mb=[1, -1] must be a list of numbers with each element > 0; set it with --set "
+            "sweep_caps_mb '[1e-06, 0.125, 0.5, 2.0]'",
+        ),
+        (
+            {"cluster": "tpu"},
+            "cluster='tpu' must be one of 'auto', 'cpu', 'gpu'; set it with --set cluster auto",
+        ),
+        ({"trace_dir": 3}, "trace_dir=3 must be a string; set it with --set trace_dir 'traces_03'"),
+        ({"steps": True}, "steps=True must be a whole number; set it with --set steps 5"),
+        (
+            {"d_model": 30},
+            "d_model=30 must be a multiple of 4 (the lab's GPT has 4 attention heads); set it with --set "
+            "d_model 32",
+        ),
+    ],
+)
+def test_ranges_choices_lists_and_the_labs_own_checks(values, message):
+    with pytest.raises(ParamError) as info:
+        LAB03.make(values, "set")
+    assert str(info.value) == message and info.value.name == next(iter(values))
+
+
+def test_an_unknown_name_lists_the_labs_parameters():
+    with pytest.raises(
+        ParamError,
+        match=r"^nope=1 must be a parameter of lab 03_unoverlapped_comms; its "
+        r"parameters: cluster='auto', world_size=2, n_layers=6",
+    ):
+        LAB03.make({"nope": 1}, "p")
+
+
+def test_from_text_reads_json_and_bare_words():
+    p = LAB03.from_text(
+        [("n_layers", "4"), ("sweep_caps_mb", "[0.5, 1]"), ("trace_dir", "mine"), ("bucket_cap_mb", "2.5")],
+        base={"steps": 2},
+    )
+    assert (p.n_layers, p.sweep_caps_mb, p.trace_dir, p.bucket_cap_mb, p.steps) == (
+        4,
+        [0.5, 1],
+        "mine",
+        2.5,
+        2,
+    )
+    assert LAB03.from_text([("trace_dir", '"4"')]).trace_dir == "4"  # a JSON string stays a string
+    with pytest.raises(
+        ParamError, match=r"^n_layers='four' must be a whole number; set it with --set n_layers 6"
+    ):
+        LAB03.from_text([("n_layers", "four")])
+    with pytest.raises(ParamError, match=r"set it with -p n_layers 6$"):
+        LAB03.from_text([("n_layers", "0")], form="p")
+    lab01 = registry.params_of("01")
+    assert lab01.from_text([("memory_mib", "null")]).memory_mib is None  # JSON null is None
+
+
+def test_from_cell_checks_the_cell_and_resolves_it():
+    p = LAB03.from_cell({"n_layers": 2, "cluster": "cpu", "unrelated": object()}, on_gpu=False)
+    assert p.n_layers == 2 and p.cluster == "cpu"
+    with pytest.raises(ParamError, match=r"write n_layers = 6 in the parameters cell"):
+        LAB03.from_cell({"n_layers": 0}, on_gpu=False)
+    lab02 = registry.params_of("02")
+    with pytest.raises(
+        ParamError,
+        match=r"^micro_batch=5 must be a divisor of the 32 sequences per rank.*"
+        r"write micro_batch = 4 in the parameters cell",
+    ):
+        lab02.from_cell({"micro_batch": 5, "cluster": "cpu"}, on_gpu=False)
+
+
+def test_docs_defaults_and_values_come_from_the_fields():
+    docs, defaults = LAB03.field_docs(), LAB03.defaults()
+    assert list(docs) == list(defaults) == [f.name for f in dataclasses.fields(LAB03)]
+    assert next(iter(docs)) == "cluster" and all(docs.values())
+    assert LAB03().as_dict() == defaults and defaults["n_layers"] == 6
+    assert LAB03().sweep_caps_mb is not LAB03().sweep_caps_mb  # a list default is each instance's own
+
+
+# each lab: (module key, what resolve fills in on n ranks)
+RESOLVED = {
+    "00_cluster_tour": lambda p, n: p.sizes_kib == [4, 64, 1024, 4096],
+    "01_parallelism_choice": lambda p, n: (
+        p.n_heads % n == 0 and p.d_model % p.n_heads == 0 and p.memory_mib > 0
+    ),
+    "02_oom_batch": lambda p, n: p.global_batch == 32 * n,
+    "03_unoverlapped_comms": lambda p, n: True,
+    "04_imbalanced_pipeline": lambda p, n: p.few_micro_batches == n and p.global_batch % n == 0,
+    "05_unprofiled_run": lambda p, n: True,
+    "06_capstone": lambda p, n: True,
+}
+NEEDS_TWO = {"00_cluster_tour", "04_imbalanced_pipeline", "05_unprofiled_run", "06_capstone"}
+
+
+def _on(params: type[LabParams], n: int) -> LabParams:
+    p = params().with_ranks(n).resolve(on_gpu=False)
+    return p.for_nodes(p.nodes) if hasattr(p, "for_nodes") else p  # lab 01: its nodes (2 by default)
+
+
+@pytest.mark.parametrize("lab", list(registry.LABS))
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_every_lab_resolves_on_2_4_and_8_ranks(lab, n):
+    params = registry.params_of(lab)
+    assert params.LAB == lab and set(RESOLVED) == set(registry.LABS)
+    p = _on(params, n)
+    assert p.ranks == n and getattr(p, params.RANKS) == n  # lab 04's ranks are its stages
+    assert RESOLVED[lab](p, n), p
+    assert p.resolve(on_gpu=False) == p  # resolving twice changes nothing
+
+
+@pytest.mark.parametrize("lab", list(registry.LABS))
+def test_one_rank_is_refused_where_a_lab_needs_two(lab):
+    params = registry.params_of(lab)
+    if lab in NEEDS_TWO:
+        with pytest.raises(ParamError, match=rf"^{params.RANKS}=1 must be a whole number with >= 2"):
+            _on(params, 1)
+    elif lab == "01_parallelism_choice":  # 8 GPUs over its 2 nodes: one rank cannot be shared by two
+        with pytest.raises(ParamError, match=r"^world_size=1 must be a multiple of nodes=2"):
+            _on(params, 1)
+    else:
+        assert _on(params, 1).ranks == 1
+
+
+@pytest.mark.parametrize("lab", list(registry.LABS))
+def test_each_labs_test_and_smoke_runs_are_its_own_parameters(lab):
+    params = registry.params_of(lab)
+    assert set(params.TEST) <= set(params.field_docs()) and set(params.SMOKE) <= set(params.field_docs())
+    params.make(dict(params.TEST)).resolve(on_gpu=False)
+    smoke = params.make(dict(params.SMOKE)).with_ranks(2).resolve(on_gpu=False)
+    assert smoke.ranks == 2

@@ -1,0 +1,117 @@
+"""labkit.experiments.unprofiled_run (lab 05's driver) on real runs of the emulated cluster: each mistake
+planted by its knob (`mystery_job`), trained and traced with `labkit.training.loop.train_jobs`; `diagnose`
+names every planted mistake that shows here (and the straggler's rank, on either rank), finds nothing in
+the clean job, and holds for two model sizes; the fix the diagnosis names (`fixed_job`) is faster in
+virtual time and leaves nothing to find."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from labkit import Cluster, launch
+from labkit.experiments.unprofiled_run import (
+    MYSTERY_KINDS,
+    clean_job,
+    fixed_job,
+    kinds_that_show,
+    mystery_job,
+    run_name,
+    step_ms,
+)
+from labkit.models import GPTConfig
+from labkit.trace import diagnose
+from labkit.training.loop import JobResult, train_jobs
+from labkit.training.mistakes import MISTAKES
+
+BATCH = 8  # sequences per rank and step
+
+
+def _expected(kind: str) -> str:
+    # compute is synchronous on the emulated cluster: a host sync costs nothing there, and diagnose rightly
+    # finds nothing
+    return MISTAKES[kind].diagnosed_as if kind in kinds_that_show(on_gpu=False) else "none"
+
+
+def _table(found) -> str:
+    return "; ".join(
+        f"rank {b.rank} ({b.source}): step {b.step_ms:.1f} compute {b.compute_ms:.1f} data {b.data_ms:.1f} "
+        f"wait {b.wait_ms:.1f} ms, {b.collectives:.0f} collectives"
+        for b in found.breakdown
+    )
+
+
+def _runs(config, jobs, names, tmp_path) -> list[list[JobResult]]:
+    per_rank = launch(
+        train_jobs,
+        config,
+        jobs,
+        str(tmp_path),
+        names=names,
+        steps=2,
+        trace_steps=3,
+        world_size=2,
+        cluster=Cluster.emulated(gpus_per_node=2),
+        timeout_s=120,
+        deadline_s=300,
+    )
+    return [[rank[i] for rank in per_rank] for i in range(len(jobs))]
+
+
+@pytest.mark.parametrize("n_layers,d_model", [(2, 64), (4, 128)])
+def test_diagnose_names_every_planted_mistake(n_layers, d_model, tmp_path):
+    config = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=4, vocab_size=2048, seq_len=64)
+    clean = clean_job(BATCH, 2)
+    jobs = [clean] + [mystery_job(clean, kind, 2) for kind in MYSTERY_KINDS]
+    names = ["clean", *MYSTERY_KINDS]
+    for name, run in zip(names, _runs(config, jobs, names, tmp_path)):
+        assert [r.rank for r in run] == [0, 1] and Path(run[0].traces) == tmp_path / name
+        found = diagnose(Path(run[0].traces))
+        expected = "none" if name == "clean" else _expected(name)
+        assert found.kind == expected, f"{name}: diagnosed {found}; {_table(found)}"
+        if expected == "straggler":
+            assert found.rank == 1 and "rank 1 computes" in found.evidence
+        assert len(found.breakdown) == 2 and found.breakdown[0].source == "emulated device timeline"
+
+
+def test_a_straggler_on_rank_0_and_the_fixes(tmp_path):
+    config = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=2048, seq_len=64)
+    clean = clean_job(BATCH, 2)
+    kinds = kinds_that_show(on_gpu=False)
+    assert kinds == ["straggler", "data_loading", "per_tensor_allreduce", "sync_logging"]
+    planted = [mystery_job(clean, kind, 2, straggler_rank=0) for kind in kinds]
+    fixed = [fixed_job(job, MISTAKES[kind].diagnosed_as) for job, kind in zip(planted, kinds)]
+    names = [run_name(j, clean) for j in planted] + [f"{kind}_fixed" for kind in kinds]
+    runs = _runs(config, planted + fixed, names, tmp_path)
+    found = diagnose(Path(runs[0][0].traces))
+    assert (found.kind, found.rank) == ("straggler", 0), str(found)
+    for i, kind in enumerate(kinds):  # virtual time: the fixed job is faster than the planted one
+        before, after = step_ms(runs[i]), step_ms(runs[len(kinds) + i])
+        assert after < before, f"{kind}: fixed {after:.1f} ms, planted {before:.1f} ms"
+        again = diagnose(Path(runs[len(kinds) + i][0].traces))
+        assert again.kind == "none", f"{kind} fixed: {again}; {_table(again)}"
+
+
+def test_the_jobs_plant_one_mistake_each_and_the_diagnosis_fixes_only_its_own():
+    clean = clean_job(BATCH, 2)
+    assert clean.global_batch == 2 * BATCH and run_name(clean, clean) == "clean"
+    for kind in MYSTERY_KINDS:
+        job = mystery_job(clean, kind, 2)
+        assert [m for m in MYSTERY_KINDS if MISTAKES[m].planted_in(job)] == [kind]
+        assert run_name(job, clean) == ("straggler_rank1" if kind == "straggler" else kind)
+        assert fixed_job(job, "none") == job  # nothing named, nothing changed
+        others = [
+            k for k in MYSTERY_KINDS if k != kind and MISTAKES[k].diagnosed_as != MISTAKES[kind].diagnosed_as
+        ]
+        assert all(
+            fixed_job(job, MISTAKES[k].diagnosed_as) == job for k in others
+        )  # a wrong fix changes nothing
+        fixed = fixed_job(job, MISTAKES[kind].diagnosed_as)
+        assert not any(MISTAKES[m].planted_in(fixed) for m in MYSTERY_KINDS)
+        assert run_name(fixed, clean) == ("clean" if fixed == clean else "fixed")
+    assert "host_sync" in kinds_that_show(on_gpu=True) and "host_sync" not in kinds_that_show(on_gpu=False)
+    with pytest.raises(ValueError, match="kind='slow_disk' is not one of lab 05's mistakes"):
+        mystery_job(clean, "slow_disk", 2)
+    with pytest.raises(ValueError, match=r"straggler_rank=2 must be a rank of the job, 0\.\.1"):
+        mystery_job(clean, "straggler", 2, straggler_rank=2)

@@ -1,0 +1,107 @@
+"""Lab 04, the imbalanced pipeline: its notebook, its script under torchrun, and the wrong answers to its
+balancing exercise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+LAB = "04_imbalanced_pipeline"
+
+
+def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_size: int = 4) -> None:
+    """Lab 04's records, wherever they were measured."""
+    check_common(rec, LAB, torchrun=torchrun, world_size=world_size)
+    assert rec["unit"] == "ms" and rec["max_abs_diff"] < 1e-5
+    layers = rec["params"]["n_layers"] + 2  # the embedding, the blocks, the head
+    assert sum(rec["sizes_after"]) == sum(rec["sizes_before"]) == layers
+    if rec["emulated"]:  # virtual time: the lesson's targets, and the bubble formula as a model output
+        assert rec["limit"] <= rec["after"] < rec["before"] and rec["after"] / rec["limit"] <= 1.3
+        assert rec["imbalance_after"] < rec["imbalance_before"] and rec["sizes_after"] != rec["sizes_before"]
+        assert rec["bubble_formula"] == 3 / 11 and rec["micro_batches"] == 8
+    if "peak_mib_gpipe" in rec:  # the notebook: 1F1B saves memory, not time
+        assert rec["peak_mib_gpipe"][0] > 1.3 * rec["peak_mib_1f1b"][0]
+
+
+def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
+    expect(run_solution(LAB), check_common)
+
+
+def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
+    lab_matches_solution(LAB)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_script_under_torchrun(torchrun_lab, check_common, n):
+    proc, rec = torchrun_lab(LAB, n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    expect(rec, check_common, torchrun=True, world_size=n)
+
+
+_DP = ("    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]", "    return sizes[::-1]")
+_GREEDY = """    target, sizes, count, total = sum(costs) / stages, [], 0, 0.0
+    for i, c in enumerate(costs):
+        if count and total + c > target and len(sizes) < stages - 1:
+            sizes.append(count)
+            count, total = 0, 0.0
+        count, total = count + 1, total + c
+    return sizes + [count]"""
+_EVEN = "    return [n // stages + (1 if s < n % stages else 0) for s in range(stages)]"
+EXERCISE = ("def my_balance(costs, stages)", "check_balance(my_balance")
+MISTAKES = {
+    "greedy split": ({_DP: _GREEDY}, "greedy"),
+    "split by layer count": ({_DP: _EVEN}, "split by layer count"),
+    "cut positions returned": (
+        {
+            "    return sizes[::-1]": "    out, total = [], 0\n    for k in sizes[::-1]:\n        total += k\n        out.append(total)\n    return out"
+        },
+        "cut positions",
+    ),
+    "sum minimised instead of the bottleneck": (
+        {
+            "value = max(best[k - 1][j], prefix[i] - prefix[j])": "value = best[k - 1][j] + prefix[i] - prefix[j]"
+        },
+        "not a sum",
+    ),
+    "empty stages allowed": (
+        {
+            "        for i in range(k, n - (stages - k) + 1):\n            for j in range(k - 1, i):": "        for i in range(n + 1):\n            for j in range(i + 1):"
+        },
+        "at least one layer",
+    ),
+    "bad input not refused": (
+        {
+            "    if stages > n:\n        raise ValueError(": "    if False:\n        raise ValueError(",
+            '            raise ValueError(f"costs[{i}]': '            pass  # (f"costs[{i}]',
+        },
+        "raise ValueError",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, name):
+    failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
+    cell, error = failed[name]
+    assert EXERCISE[1] in cell or EXERCISE[0] in cell, f"{name}: failed before its exercise: {error[-800:]}"
+    assert MISTAKES[name][1] in error, f"{name}: the hint does not name the mistake: {error[-1500:]}"
+
+
+def test_the_right_answer_passes_the_check(mutations_run):
+    failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
+    assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]
+
+
+@pytest.mark.gpu
+def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common):
+    rec = gpu_notebook(LAB)
+    if rec["emulated"]:  # fewer GPUs than the lab's ranks: "auto" ran it on the emulated cluster
+        expect(rec, check_common)
+    else:
+        check_common(rec, LAB, torchrun=False, world_size=0)
+
+
+@pytest.mark.gpu
+def test_the_script_under_torchrun_on_the_gpus_there_are(gpu_torchrun, check_common):
+    check_common(gpu_torchrun(LAB), LAB, torchrun=False, world_size=0)

@@ -1,0 +1,102 @@
+"""Lab 05, the unprofiled run: its notebook, its script under torchrun, and the wrong answers to its
+straggler-finding exercise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from labkit.training import MISTAKES
+
+LAB = "05_unprofiled_run"
+
+
+def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_size: int = 2) -> None:
+    """Lab 05's records, wherever they were measured."""
+    check_common(rec, LAB, torchrun=torchrun, world_size=world_size)
+    assert rec["unit"] == "ms" and rec["planted"] in MISTAKES and rec["diagnosed"] and rec["evidence"]
+    if rec["emulated"]:  # the trace names the planted mistake, and its fix reaches the clean job
+        assert rec["diagnosed"] == MISTAKES[rec["planted"]].diagnosed_as
+        assert rec["after"] < rec["before"] and rec["limit"] <= rec["after"] * 1.25  # identical jobs: +-13 %
+    if "gallery" in rec:  # the notebook: every mistake that shows here, diagnosed from its own traces
+        assert {r["planted"]: r["diagnosed"] for r in rec["gallery"]} == {
+            k: MISTAKES[k].diagnosed_as
+            for k in ("straggler", "data_loading", "per_tensor_allreduce", "sync_logging")
+        }
+        assert {r["rank"] for r in rec["gallery"] if r["planted"] == "straggler"} == {0, 1}
+    if torchrun:  # mystery_seed 3 draws data loading from the mistakes a CPU shows
+        assert rec["planted"] == "data_loading"
+
+
+def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
+    expect(run_solution(LAB), check_common)
+
+
+def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
+    lab_matches_solution(LAB)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_script_under_torchrun(torchrun_lab, check_common, n):
+    proc, rec = torchrun_lab(LAB, n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    expect(rec, check_common, torchrun=True, world_size=n)
+
+
+EXERCISE = ("def my_find_straggler(breakdown)", "check_find_straggler(my_find_straggler")
+MISTAKES_MADE = {
+    "step times compared": (
+        {
+            "key=lambda b: b.compute_ms)": "key=lambda b: b.step_ms)",
+            "[b.compute_ms for b in": "[b.step_ms for b in",
+            "ratio = slow.compute_ms /": "ratio = slow.step_ms /",
+        },
+        "compute_ms",
+    ),
+    "the waiting rank named": (
+        {
+            "key=lambda b: b.compute_ms)": "key=lambda b: b.wait_ms)",
+            "[b.compute_ms for b in": "[b.wait_ms for b in",
+            "ratio = slow.compute_ms /": "ratio = slow.wait_ms /",
+        },
+        "waits the most",
+    ),
+    "no threshold": (
+        {"return (slow.rank, ratio) if ratio >= 1.25 else None": "return (slow.rank, ratio)"},
+        "noise",
+    ),
+    "mean of every rank": (
+        {
+            "ratio = slow.compute_ms / statistics.median(others)": "ratio = slow.compute_ms / statistics.mean([b.compute_ms for b in breakdown])"
+        },
+        "median of the other ranks",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES_MADE))
+def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, name):
+    failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES_MADE.items()})
+    cell, error = failed[name]
+    assert EXERCISE[1] in cell or EXERCISE[0] in cell, f"{name}: failed before its exercise: {error[-800:]}"
+    assert MISTAKES_MADE[name][1] in error, f"{name}: the hint does not name the mistake: {error[-1500:]}"
+
+
+def test_the_right_answer_passes_the_check(mutations_run):
+    failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES_MADE.items()})
+    assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]
+
+
+@pytest.mark.gpu
+def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common):
+    rec = gpu_notebook(LAB)
+    if rec["emulated"]:  # fewer GPUs than the lab's ranks: "auto" ran it on the emulated cluster
+        expect(rec, check_common)
+    else:
+        check_common(rec, LAB, torchrun=False, world_size=0)
+
+
+@pytest.mark.gpu
+def test_the_script_under_torchrun_on_the_gpus_there_are(gpu_torchrun, check_common):
+    check_common(gpu_torchrun(LAB), LAB, torchrun=False, world_size=0)

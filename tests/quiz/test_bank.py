@@ -1,0 +1,80 @@
+"""labkit.quiz.bank: every question valid and pointing to a section that exists, the same seed the same
+paper, an exam over every topic, and grading that says why and where. Generated answers:
+test_generated.py; the quiz shown: test_show.py; `labkit quiz`: tests/test_cli.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from labkit import quiz
+from labkit.quiz.question import TOPICS, Question
+
+
+def _headings(repo: Path, stem: str) -> list[str]:
+    nb = json.loads((repo / "solutions" / f"{stem}.ipynb").read_text())
+    return [
+        line.lstrip("#").strip()
+        for c in nb["cells"]
+        if c["cell_type"] == "markdown"
+        for line in "".join(c["source"]).splitlines()
+        if line.startswith("#")
+    ]
+
+
+def test_at_least_40_valid_questions_over_every_topic(repo):
+    questions = quiz.bank()
+    assert len(questions) >= 40
+    assert len({q.id for q in questions}) == len(questions), "question ids must be unique"
+    for topic in TOPICS:
+        assert len([q for q in questions if q.topic == topic]) >= 4, (
+            f"topic {topic} has fewer than 4 questions"
+        )
+    for q in questions:
+        assert (
+            q.topic in TOPICS and q.kind in ("choice", "numeric") and q.text.strip() and q.explanation.strip()
+        )
+        if q.kind == "choice":
+            assert 3 <= len(q.choices) <= 5 and len(set(q.choices)) == len(q.choices), q.id
+            assert float(q.answer).is_integer() and 0 <= q.answer < len(q.choices), q.id
+        else:
+            assert q.unit and math.isfinite(q.answer) and q.answer > 0, q.id
+        assert (repo / "solutions" / f"{q.reference}.ipynb").exists(), f"{q.id}: no lab {q.reference}"
+        assert any(h.startswith(q.section.strip()) for h in _headings(repo, q.reference)), (
+            f"{q.id}: no heading starting {q.section!r} in {q.reference}"
+        )
+
+
+def test_a_seed_reproduces_a_paper_and_another_draws_new_numbers():
+    a, b = quiz.bank(seed=3), quiz.bank(seed=3)
+    assert [q.text for q in a] == [q.text for q in b]
+    texts = {tuple(q.text for q in quiz.bank(seed=s) if q.kind == "numeric") for s in range(6)}
+    assert len(texts) > 1
+    exam = quiz.exam(14, seed=1)
+    assert len(exam) == 14 and {q.topic for q in exam} == set(TOPICS)  # two per topic
+    with pytest.raises(ValueError, match="topic"):
+        quiz.bank(topic="gpus")
+
+
+def test_grading_says_why_and_where():
+    q = next(q for q in quiz.bank() if q.kind == "choice")
+    ok, text = quiz.grade(q, int(q.answer))
+    assert ok and text.startswith("Right") and q.reference in text
+    ok, text = quiz.grade(q, (int(q.answer) + 1) % len(q.choices))
+    assert not ok and q.correct in text
+    n = next(q for q in quiz.bank() if q.kind == "numeric")
+    assert quiz.grade(n, n.answer * 1.01)[0] and not quiz.grade(n, n.answer * 1.5)[0]
+    assert not quiz.grade(n, "lots")[0]
+    assert quiz.score([(q, True), (n, False)])["all"] == (1, 2)
+
+
+def test_the_bank_re_exports_the_question_and_the_topics():
+    import importlib
+
+    bank = importlib.import_module("labkit.quiz.bank")  # the module; labkit.quiz.bank is its function
+    assert bank.Question is Question and bank.TOPICS is TOPICS and quiz.Question is Question
+    q = next(q for q in quiz.bank() if q.kind == "choice")
+    assert q.correct == q.choices[int(q.answer)] and q.reference in q.where

@@ -1,0 +1,109 @@
+"""labkit.bandwidth: nccl-tests-style rows for every collective (algorithm and bus bandwidth from the time),
+CUDA events around the collectives on a GPU (mocked here; the real one under the `gpu` mark), and the
+sizes refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit import bandwidth, launch
+from labkit.bandwidth import bandwidth_test
+from labkit.links import bus_bandwidth_factor
+
+
+def worker_bandwidth() -> list[dict]:
+    return (
+        bandwidth_test([1024, 64 * 1024], op="all_reduce", iters=3)
+        + bandwidth_test([4096], op="all_gather", iters=2)
+        + bandwidth_test([4096], op="reduce_scatter", iters=2)
+        + bandwidth_test([4096], op="broadcast", iters=2)
+    )
+
+
+def test_bandwidth_test_rows():
+    rows0, rows1 = launch(worker_bandwidth, world_size=2, cluster="cpu", timeout_s=60)
+    assert [r["op"] for r in rows0] == [
+        "all_reduce",
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+    ]
+    assert [r["size_bytes"] for r in rows0] == [1024, 65536, 4096, 4096, 4096]
+    for r in rows0 + rows1:
+        assert r["world_size"] == 2 and r["time_ms"] > 0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_bandwidth_factor(r["op"], 2))
+        assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / (r["time_ms"] / 1e3) / 1e9)
+
+
+def test_on_a_gpu_the_collectives_are_timed_by_cuda_events_around_them(monkeypatch):
+    # Mocked CUDA: the start event is recorded before the first collective starts, the end event after every
+    # work's wait (which makes the current stream wait for NCCL's), and the span is divided by the count.
+    order, made = [], []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.name = ("start", "end")[len(made)]
+            made.append(self)
+
+        def record(self):
+            order.append(f"record {self.name}")
+
+        def synchronize(self):
+            order.append("synchronize")
+
+        def elapsed_time(self, other):
+            return 12.0  # ms
+
+    class Work:
+        def wait(self):
+            order.append("wait")
+
+    class Buffer:
+        is_cuda = True
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(bandwidth, "_start", lambda *a: order.append("start op") or Work())
+    seconds = bandwidth._run("all_reduce", 3, Buffer(), Buffer(), 0, None)
+    assert order == [
+        "record start",
+        "start op",
+        "start op",
+        "start op",
+        "wait",
+        "wait",
+        "wait",
+        "record end",
+        "synchronize",
+    ]
+    assert seconds == pytest.approx(12.0 / 1e3 / 3)
+
+
+def _too_small() -> str:
+    try:
+        bandwidth_test([4], iters=1)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        dist.barrier()
+    return ""
+
+
+def test_a_size_smaller_than_one_element_per_rank_is_refused():
+    (msg, _) = launch(_too_small, world_size=2, cluster="cpu", timeout_s=60)
+    assert "size 4 bytes is smaller than world_size(2) * 4-byte elements" in msg and "sizes >= 8" in msg
+
+
+@pytest.mark.gpu
+def test_bandwidth_test_times_collectives_on_the_gpu_with_cuda_events():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 1:
+        pytest.skip("no GPU")
+    n = min(gpus, 2)
+    rows = launch(bandwidth_test, [1 << 16, 1 << 26], iters=10, world_size=n, cluster="gpu", timeout_s=120)[0]
+    assert all(r["time_ms"] > 0 for r in rows) and rows[1]["time_ms"] > rows[0]["time_ms"]
+    if n > 1:
+        assert rows[1]["busbw_GBps"] > rows[0]["busbw_GBps"]

@@ -1,0 +1,100 @@
+"""labkit.cli: `labkit doctor`'s verdict where the GPUs asked for are missing, and `labkit quiz` in a
+terminal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labkit import quiz
+from labkit.cli import main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_doctor_gives_a_verdict_where_there_is_no_gpu(capsys):
+    assert main(["doctor", "--cluster", "gpu"]) == 1
+    assert "verdict: NOT READY" in capsys.readouterr().out
+
+
+def test_labkit_quiz_in_the_terminal(labkit_env):
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "profiling", "--print"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=labkit_env,
+    )
+    assert out.returncode == 0 and "Answers" in out.stdout
+    n = len(quiz.bank("cluster"))
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "cluster"],
+        input="a\n" * n,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=labkit_env,
+    )
+    assert out.returncode == 0 and "score by topic" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=labkit_env,
+    )
+    assert out.returncode == 2 and "topic" in out.stderr
+
+
+def test_labkit_run_writes_a_report_in_a_folder_of_its_own(repo, labkit_env, tmp_path):
+    """The README's main job, on one small lab: a run folder, runs/latest, a report with the lab's parameters
+    and their docs, no kernel noise."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "labkit.cli",
+        "run",
+        "--lab",
+        "00",
+        "--quiet",
+        "--out",
+        str(tmp_path / "runs"),
+        "--cluster",
+        "cpu",
+        "-p",
+        "sizes_kib",
+        "[4, 256]",
+    ]
+    proc = subprocess.run(cmd, cwd=repo, env=labkit_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "without encryption" not in proc.stdout + proc.stderr
+    latest = tmp_path / "runs" / "latest"
+    assert (
+        latest.is_symlink() and (latest / "report.md").exists() and (latest / "00_cluster_tour.html").exists()
+    )
+    report = (latest / "report.md").read_text()
+    assert "Run on " in report and "- **limit**:" in report and "| 00_cluster_tour |" in report
+    assert "| sizes_kib | [4, 256] | message sizes (KiB)" in report
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--lab", "00", "-p", "sizes_kib", "64"],
+            "sizes_kib=64 must be a list of numbers or None; set it with -p",
+        ),
+        (["--lab", "02", "-p", "memory_mib", '"lots"'], "memory_mib='lots' must be a number"),
+        (["--lab", "04", "-p", "stages", "four"], "stages='four' must be a whole number"),
+        (["-p", "no_such", "1"], "no_such=1 must be a parameter of any of the labs run"),
+    ],
+)
+def test_labkit_run_checks_the_parameters_before_a_kernel_starts(repo, labkit_env, tmp_path, args, message):
+    cmd = [sys.executable, "-m", "labkit.cli", "run", "--quiet", "--out", str(tmp_path / "runs"), *args]
+    proc = subprocess.run(cmd, cwd=repo, env=labkit_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[
+        -2000:
+    ]
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written

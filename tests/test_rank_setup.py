@@ -1,0 +1,150 @@
+"""labkit.rank_setup: a rank's process group and device. Torchrun's ranks get "cpu:gloo,cuda:nccl" bound to
+their GPU, their warm baseline recorded and the cap above it, NCCL's flight recorder told where to dump; a
+launched GPU rank the same through NCCL; a virtual-clock rank keeps freed memory instead of page-faulting
+it in again.
+
+CUDA is mocked here (torch.cuda, init_process_group and `labkit.device_memory`'s baseline): what is
+checked is what set-up asks of them, in which order, on any machine."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit import Cluster, device_memory, launch, rank_setup
+from labkit.cluster import GPU
+from labkit.links import Link
+
+FLIGHT_RECORDER_VARS = (
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_BUFFER_SIZE",
+)
+
+
+@pytest.fixture
+def one_gpu(monkeypatch, tmp_path) -> dict:
+    """A mocked node with one visible GPU, no group yet; what set-up calls is written into the dict returned.
+    The flight recorder's variables and its ./nccl_dumps folder are undone after the test."""
+    calls: dict = {"order": []}
+    monkeypatch.chdir(tmp_path)
+    for key in FLIGHT_RECORDER_VARS:
+        monkeypatch.setenv(key, "-")  # recorded, so that what set-up sets is undone after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def init(backend, **kw):
+        calls["order"].append("group")
+        calls.update(
+            backend=backend,
+            dump=os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+            on_timeout=os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT"),
+            **kw,
+        )
+
+    def baseline(dev):
+        calls["order"].append("baseline")
+        calls["baseline"] = dev
+        return 0
+
+    def cap(dev, gib):
+        calls["order"].append("cap")
+        calls["capped"] = (dev, gib)
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    monkeypatch.setattr(device_memory, "record_baseline", baseline)
+    monkeypatch.setattr(device_memory, "cap_above_baseline", cap)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    return calls
+
+
+def test_torchrun_ranks_get_gloo_for_cpu_and_nccl_for_cuda_tensors(one_gpu, monkeypatch):
+    # NCCL alone refuses CPU tensors (the old backend was "nccl" only); two processes on one GPU are refused
+    # with the fix.
+    calls = one_gpu
+    assert rank_setup.init_torchrun_rank(timedelta(seconds=5)) is True
+    assert calls["backend"] == "cpu:gloo,cuda:nccl" and calls["device_id"] == torch.device("cuda", 0)
+    # every GPU rank records its warm baseline, capped or not; no cap without memory_gib
+    assert calls["baseline"] == torch.device("cuda", 0) and "capped" not in calls
+    assert calls["order"] == ["baseline", "group"]
+    # memory_gib is a cap above the warm baseline (cuBLAS workspaces come from the same allocator), as launch
+    calls["order"].clear()
+    assert rank_setup.init_torchrun_rank(timedelta(seconds=5), memory_gib=0.5) is True
+    assert calls["capped"] == (torch.device("cuda", 0), 0.5)
+    assert calls["order"] == ["baseline", "cap", "group"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"has 1 visible GPU.*--nproc-per-node 1"):
+        rank_setup.init_torchrun_rank(timedelta(seconds=5))
+
+
+def test_torchrun_ranks_on_gpus_get_the_flight_recorder(one_gpu, monkeypatch, tmp_path):
+    # The variables are set before the NCCL group is made; a user's own are kept.
+    calls = one_gpu
+    rank_setup.init_torchrun_rank(timedelta(seconds=5))
+    assert (calls["dump"], calls["on_timeout"]) == (str(tmp_path / "nccl_dumps" / "nccl_trace_rank_"), "1")
+    assert (tmp_path / "nccl_dumps").is_dir()
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/shared/mine_")
+    rank_setup.init_torchrun_rank(timedelta(seconds=5))
+    assert calls["dump"] == "/shared/mine_"
+
+
+def test_a_torchrun_rank_without_cuda_gets_gloo_and_an_existing_group_is_kept(monkeypatch):
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    assert rank_setup.init_torchrun_rank(timedelta(seconds=5)) is True and calls["backend"] == "gloo"
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    calls.clear()
+    assert rank_setup.init_torchrun_rank(timedelta(seconds=5)) is False and calls == {}
+
+
+def test_a_launched_gpu_rank_records_its_baseline_then_the_cap_then_joins_nccl(one_gpu):
+    calls = one_gpu
+    gpu = Cluster(
+        kind="gpu",
+        nodes=1,
+        gpus_per_node=1,
+        intra_node=Link(1.0, 0.0, "none"),
+        inter_node=Link(50.0, 5.0, "InfiniBand (assumed)"),
+        gpus=(GPU(0, "NVIDIA H200", 139.8),),
+        memory_gib=0.25,
+    )
+    rank_setup.init_launched_rank(gpu, 0, 1, dist.HashStore(), timedelta(seconds=5))
+    assert calls["backend"] == "nccl" and calls["device_id"] == torch.device("cuda", 0)
+    assert (calls["rank"], calls["world_size"]) == (0, 1)
+    assert calls["order"] == ["baseline", "cap", "group"]
+    assert calls["capped"] == (torch.device("cuda", 0), 0.25)
+
+
+def _faults_of_reused_tensors() -> int:
+    import resource
+
+    def step() -> None:  # like activations: 16 MiB of tensors, all freed at the end
+        held = [torch.ones(2**20) for _ in range(4)]
+        del held
+
+    for _ in range(10):  # warm up: the first allocations fault their pages in
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_SELF"), reason="needs getrusage")
+def test_a_virtual_rank_reuses_freed_memory_instead_of_page_faulting_it_in_again():
+    # Page faults are CPU time on the rank's clock; glibc's default returns large blocks to
+    # the kernel on free (1,024 faults per 4 MiB). On a virtual-clock rank they stay cached.
+    virtual = launch(_faults_of_reused_tensors, world_size=1, cluster=Cluster.emulated(gpus_per_node=1))[0]
+    # (glibc's default, clock="wall", measured 0 or ~40,000 here, by its dynamic mmap threshold)
+    assert virtual < 100, virtual

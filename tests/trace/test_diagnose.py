@@ -1,0 +1,65 @@
+"""labkit.trace.diagnose on small synthetic traces: a straggler (and its rank), data loading, nothing, small
+collectives after backward, a blocking collective mid-step, and a host sync on GPU traces. The traces are
+written by tests/trace/conftest.py's `traces`."""
+
+from __future__ import annotations
+
+from labkit.trace.diagnose import diagnose, findings
+
+
+def test_diagnose_a_straggler(tmp_path, traces):
+    traces.emulated(
+        tmp_path, 0, [(0, 5), (9.5, 10)], [("all_reduce #1", 4, 9.5, 1000)]
+    )  # waits 4.5 ms for rank 1
+    traces.emulated(tmp_path, 1, [(0, 9.5), (9.9, 10)], [("all_reduce #1", 9, 9.9, 1000)])
+    d = diagnose(tmp_path)
+    assert (d.kind, d.rank) == ("straggler", 1) and "rank 1 computes" in d.evidence
+
+
+def test_diagnose_data_loading_and_none(tmp_path, traces):
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "clean").mkdir()
+    for r in (0, 1):
+        traces.emulated(tmp_path / "slow", r, [(0, 10)], [], [("data", 0, 3)])
+        traces.emulated(tmp_path / "clean", r, [(0, 9.8)], [], [("data", 0, 0.2)])
+    d = diagnose(tmp_path / "slow")
+    assert (d.kind, d.rank) == ("data_loading", None) and "30 %" in d.evidence
+    assert diagnose(tmp_path / "clean").kind == "none"
+
+
+def test_diagnose_small_collectives_and_a_sync_collective(tmp_path, traces):
+    (tmp_path / "small").mkdir()
+    (tmp_path / "sync").mkdir()
+    many = [(f"all_reduce #{i}", 6 + 0.2 * i, 6 + 0.2 * (i + 1), 4096) for i in range(20)]
+    sync = [("all_gather #1", 3, 5, 4 * 2**20)]
+    for r in (0, 1):
+        traces.emulated(
+            tmp_path / "small", r, [(0, 6)], many
+        )  # blocked 6-10 on 20 small all-reduces after backward
+        traces.emulated(
+            tmp_path / "sync", r, [(0, 3), (5, 10)], sync
+        )  # waits mid-step, 5 ms of compute after
+    assert diagnose(tmp_path / "small").kind == "small_collectives"
+    d = diagnose(tmp_path / "sync")
+    assert d.kind == "sync_collective" and "all_gather" in d.evidence
+
+
+def test_diagnose_a_host_sync_on_gpu_traces(tmp_path, traces):
+    for r in (0, 1):
+        events = [
+            traces.step(),
+            traces.x("sm80_gemm", "kernel", 0, 6, tid=7),
+            traces.x("aten::item", "cpu_op", 6, 3),
+        ]
+        traces.write(tmp_path / f"trace_rank{r}.json", events, r)
+    d = diagnose(tmp_path)
+    assert d.kind == "host_sync" and "30 %" in d.evidence
+
+
+def test_findings_list_every_rule_that_fires_and_diagnose_picks_one(tmp_path, traces):
+    for r in (0, 1):  # data loading and small collectives at once
+        many = [(f"all_reduce #{i}", 6 + 0.1 * i, 6 + 0.1 * (i + 1), 4096) for i in range(20)]
+        traces.emulated(tmp_path, r, [(3, 6)], many, [("data", 0, 3)])
+    kinds = [f.kind for f in findings(tmp_path)]
+    assert {"data_loading", "small_collectives"} <= set(kinds)
+    assert diagnose(tmp_path).kind == kinds[0]
