@@ -45,20 +45,11 @@ def _run(
     for the current one when a collective starts, and `work.wait()` makes the current stream wait
     for the collective's end, so the two events bracket the K collectives on the device.
     """
-    if full.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    with timer.Span() as span:  # CUDA events on a GPU, clock() readings elsewhere
         works = [_start(op, full, shard, src, group) for _ in range(count)]
         for work in works:
             work.wait()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / count  # elapsed_time is in ms
-    t0 = timer.clock()
-    works = [_start(op, full, shard, src, group) for _ in range(count)]
-    for work in works:
-        work.wait()
-    return (timer.clock() - t0) / count
+    return span.ms / 1e3 / count
 
 
 def bandwidth_test(

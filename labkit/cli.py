@@ -292,7 +292,7 @@ def grade(args: argparse.Namespace) -> int:
     os.environ["LABKIT_TEXT_ONLY"] = "1"
     params = {"cluster": args.cluster, **_parse_params(args.param)}
     try:
-        grades = grade_folder(args.folder, params, args.timeout)
+        grades = grade_folder(args.folder, params, args.cell_timeout)
     except ValueError as exc:
         print(f"labkit grade: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -303,18 +303,30 @@ def grade(args: argparse.Namespace) -> int:
     return 0
 
 
+_CLUSTER_HELP = (
+    "auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; gpu: NCCL"
+)
+
+
+def _notebook_options(p: argparse.ArgumentParser, cluster: str, param_help: str) -> None:
+    """The options of the commands that execute notebooks (run, grade): the cluster, -p, the cell timeout."""
+    p.add_argument("--cluster", default=cluster, choices=["auto", "cpu", "gpu"], help=_CLUSTER_HELP)
+    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                   help=f"{param_help} (JSON value or a bare word), repeatable")
+    # grade called it --timeout before run and grade shared these options: the old name stays.
+    p.add_argument("--cell-timeout", "--timeout", dest="cell_timeout", type=int, default=600,
+                   help="seconds one cell may run")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit", description="Multi-GPU Mistakes Lab tools")
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    cluster_help = (
-        "auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; gpu: NCCL"
-    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
         "doctor", help="hardware, backend, versions and a 2-rank smoke test", formatter_class=fmt
     )
-    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=cluster_help)
+    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=_CLUSTER_HELP)
     p.add_argument(
         "--recalibrate",
         action="store_true",
@@ -326,21 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         "run", help="execute the solution notebooks with papermill and write a report", formatter_class=fmt
     )
     p.add_argument("--lab", help="only this lab, by number (e.g. 00)")
-    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=cluster_help)
+    _notebook_options(p, "auto", "notebook parameter")
     p.add_argument(
         "--out",
         default="runs",
         help="each run writes OUT/<date-time>/ (notebooks, figures, report); OUT/latest points to the newest",
     )
-    p.add_argument(
-        "-p",
-        "--param",
-        nargs=2,
-        action="append",
-        metavar=("KEY", "VALUE"),
-        help="notebook parameter (JSON value or a bare word), repeatable",
-    )
-    p.add_argument("--cell-timeout", type=int, default=600, help="seconds one cell may run")
     p.add_argument("--kernel", default="python3", help="the Jupyter kernel papermill starts")
     p.add_argument("--root", help="course folder holding solutions/ (default: here or the checkout)")
     p.add_argument("--quiet", action="store_true", help="no per-cell progress bar")
@@ -373,16 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "grade", help="run learners' lab notebooks and report which checks pass", formatter_class=fmt
     )
     p.add_argument("folder", help="learners' notebooks: FOLDER/<learner>/<NN_lab>.ipynb")
-    p.add_argument("--cluster", default="cpu", choices=["auto", "cpu", "gpu"], help=cluster_help)
-    p.add_argument(
-        "-p",
-        "--param",
-        nargs=2,
-        action="append",
-        metavar=("KEY", "VALUE"),
-        help="notebook parameter for every notebook (JSON value or a bare word), repeatable",
-    )
-    p.add_argument("--timeout", type=float, default=600, help="seconds one cell may run")
+    _notebook_options(p, "cpu", "notebook parameter for every notebook")
     p.add_argument("--csv", help="also write the grades to this CSV file (learner, lab, check, status)")
     p.set_defaults(func=grade)
 

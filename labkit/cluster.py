@@ -24,6 +24,8 @@ __all__ = ["GPU", "PRESETS", "Cluster"]
 
 @dataclass(frozen=True)
 class GPU:
+    """One GPU of a cluster, as torch.cuda reports it."""
+
     index: int
     name: str
     memory_gib: float
@@ -314,37 +316,20 @@ class Cluster:
 # guides). Latencies are assumptions of a few microseconds, NCCL's order for small messages.
 _NVLINK3 = Link(300.0, 5.0, "NVLink 3 + NVSwitch")
 _NVLINK4 = Link(450.0, 5.0, "NVLink 4 + NVSwitch")
+_HDR = Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s per GPU")
+_NDR = Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU")
+
+
+def _dgx(gpu_name: str, memory_gib: float, peak_tflops: float, nvlink: Link, infiniband: Link) -> Cluster:
+    """One DGX node: eight GPUs on NVSwitch, one InfiniBand port per GPU towards other nodes."""
+    return Cluster("described", 1, 8, nvlink, infiniband, memory_gib=memory_gib, peak_tflops=peak_tflops,
+                   gpu_name=gpu_name)
+
+
 PRESETS: dict[str, Cluster] = {
-    "dgx-a100-80gb": Cluster(
-        "described",
-        1,
-        8,
-        _NVLINK3,
-        Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s per GPU"),
-        memory_gib=80.0,
-        peak_tflops=312.0,
-        gpu_name="A100-SXM4-80GB",
-    ),
-    "dgx-h100": Cluster(
-        "described",
-        1,
-        8,
-        _NVLINK4,
-        Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
-        memory_gib=80.0,
-        peak_tflops=989.0,
-        gpu_name="H100-SXM5-80GB",
-    ),
-    "dgx-h200": Cluster(
-        "described",
-        1,
-        8,
-        _NVLINK4,
-        Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU"),
-        memory_gib=141.0,
-        peak_tflops=989.0,
-        gpu_name="H200-SXM-141GB",
-    ),
+    "dgx-a100-80gb": _dgx("A100-SXM4-80GB", 80.0, 312.0, _NVLINK3, _HDR),
+    "dgx-h100": _dgx("H100-SXM5-80GB", 80.0, 989.0, _NVLINK4, _NDR),
+    "dgx-h200": _dgx("H200-SXM-141GB", 141.0, 989.0, _NVLINK4, _NDR),
 }
 
 

@@ -254,24 +254,10 @@ def estimate(
     if micro_batches is not None:
         validate.positive_int("micro_batches", micro_batches, "estimate(..., pp=4, micro_batches=8)")
     n, config = _count_params(params, model)
+    knobs = _Knobs(dp, zero_stage, precision, optimizer, micro_batch, seq_len, checkpointing, keep_grads,
+                   activations, tp)
     if config is None:
-        return _estimate_stage(
-            _shard(n, tp * pp),
-            None,
-            1,
-            0,
-            dp,
-            zero_stage,
-            precision,
-            optimizer,
-            micro_batch,
-            seq_len,
-            checkpointing,
-            keep_grads,
-            activations,
-            tp,
-            f"tp={tp}, pp={pp}",
-        )
+        return _estimate_stage(_shard(n, tp * pp), None, 1, 0, knobs, f"tp={tp}, pp={pp}")
     check_model_parallel(config, tp, pp)
     blocks = blocks_per_stage(config, pp)
     results = []
@@ -281,25 +267,8 @@ def estimate(
             f", stage {s} ({blocks[s]} blocks, {in_flight} in flight)" if pp > 1 else ""
         )
         results.append(
-            _estimate_stage(
-                stage_params(config, tp, pp, s),
-                config,
-                blocks[s],
-                s,
-                dp,
-                zero_stage,
-                precision,
-                optimizer,
-                micro_batch,
-                seq_len,
-                checkpointing,
-                keep_grads,
-                activations,
-                tp,
-                where,
-                in_flight,
-                s == pp - 1,
-            )
+            _estimate_stage(stage_params(config, tp, pp, s), config, blocks[s], s, knobs, where, in_flight,
+                            s == pp - 1)
         )
     return max(results, key=lambda b: b.peak)
 
@@ -343,56 +312,45 @@ def _block_params(config: GPTConfig, tp: int) -> int:
     return 4 * d + (d * qkv + qkv + d * d + d * f + f + f * d) // tp + 2 * d
 
 
-def _estimate_stage(
-    n: int,
-    config: GPTConfig | None,
-    blocks: int,
-    stage: int,
-    dp: int,
-    zero_stage: int,
-    precision: str,
-    optimizer: str,
-    micro_batch: int,
-    seq_len: int | None,
-    checkpointing: bool,
-    keep_grads: bool,
-    activations: str,
-    tp: int,
-    where: str,
-    in_flight: int = 1,
-    has_head: bool = True,
-) -> MemoryBreakdown:
+@dataclass(frozen=True)
+class _Knobs:
+    """estimate's settings that every stage shares (checked by estimate)."""
+
+    dp: int
+    zero_stage: int
+    precision: str
+    optimizer: str
+    micro_batch: int
+    seq_len: int | None
+    checkpointing: bool
+    keep_grads: bool
+    activations: str
+    tp: int
+
+
+def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k: _Knobs, where: str,
+                    in_flight: int = 1, has_head: bool = True) -> MemoryBreakdown:
     """`estimate` for one rank holding `n` parameters and, with a config, `blocks` blocks of it."""
-    p_bytes, g_bytes, k_bytes = bytes_per_param(precision, optimizer)
+    p_bytes, g_bytes, k_bytes = bytes_per_param(k.precision, k.optimizer)
     # ZeRO (Rajbhandari et al. 2020, Figure 1): each stage shards one more kind of state.
-    param_mem = (_shard(n, dp) if zero_stage >= 3 else n) * p_bytes
-    grad_mem = (_shard(n, dp) if zero_stage >= 2 else n) * g_bytes
-    opt_mem = (_shard(n, dp) if zero_stage >= 1 else n) * k_bytes
-    live_grads = 0 if keep_grads else grad_mem  # gradients that appear during the step
+    param_mem = (_shard(n, k.dp) if k.zero_stage >= 3 else n) * p_bytes
+    grad_mem = (_shard(n, k.dp) if k.zero_stage >= 2 else n) * g_bytes
+    opt_mem = (_shard(n, k.dp) if k.zero_stage >= 1 else n) * k_bytes
+    live_grads = 0 if k.keep_grads else grad_mem  # gradients that appear during the step
 
     act_mem = other = 0
     transient = live_grads  # the optimizer step holds all gradients
     if config is not None:
-        seq = config.seq_len if seq_len is None else seq_len
+        seq = config.seq_len if k.seq_len is None else k.seq_len
         act_mem, other, peak_of_backward = _activations(
-            config,
-            micro_batch,
-            seq,
-            precision,
-            checkpointing,
-            activations,
-            live_grads,
-            tp,
-            blocks,
-            in_flight,
-            has_head,
-            stage,
-            n,
+            config, k.micro_batch, seq, k.precision, k.checkpointing, k.activations, live_grads, k.tp, blocks,
+            in_flight, has_head, stage, n,
         )
         transient = max(transient, peak_of_backward)
-    peak = param_mem + opt_mem + (grad_mem if keep_grads else 0) + transient
+    peak = param_mem + opt_mem + (grad_mem if k.keep_grads else 0) + transient
     parallel = "" if where == "tp=1, pp=1" else f", {where}"
-    source = f"estimate ({precision}, {optimizer}, dp={dp}, ZeRO-{zero_stage}, {activations}{parallel})"
+    setting = f"{k.precision}, {k.optimizer}, dp={k.dp}, ZeRO-{k.zero_stage}, {k.activations}"
+    source = f"estimate ({setting}{parallel})"
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, act_mem, other, peak, source)
 
 

@@ -177,14 +177,14 @@ def in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) ->
 
 def choose_micro_batches(
     stages: int,
-    batch_size: int,
+    global_batch: int,
     max_bubble: float = 0.3,
     schedule: str = "1f1b",
     *,
     activation_bytes_per_sample: float | None = None,
     memory_bytes: float | None = None,
 ) -> int:
-    """The number of micro-batches for a batch of `batch_size` sequences on `stages` stages.
+    """The number of micro-batches for a batch of `global_batch` sequences on `stages` stages.
 
     The fewest m that divides the batch (equal micro-batches), is at least `stages` for 1F1B (torch
     requires it), and whose ideal bubble (p-1)/(m+p-1) is at most `max_bubble`; the most (one sequence
@@ -194,16 +194,16 @@ def choose_micro_batches(
     memory; under GPipe all m are in flight, the whole batch, whatever m is.
     """
     validate.positive_int("stages", stages, "choose_micro_batches(4, 16)")
-    validate.positive_int("batch_size", batch_size, "choose_micro_batches(4, batch_size=16)")
+    validate.positive_int("global_batch", global_batch, "choose_micro_batches(4, global_batch=16)")
     validate.one_of("schedule", schedule, ("gpipe", "1f1b"), 'choose_micro_batches(4, 16, schedule="1f1b")')
     if not isinstance(max_bubble, (int, float)) or not 0 < max_bubble < 1:
         raise ValueError(f"max_bubble={max_bubble!r} must be a fraction between 0 and 1; e.g. 0.3 for 30 %")
     low = stages if schedule == "1f1b" else 1
-    options = [m for m in range(low, batch_size + 1) if batch_size % m == 0]
+    options = [m for m in range(low, global_batch + 1) if global_batch % m == 0]
     if not options:
         raise ValueError(
-            f"batch_size={batch_size} is smaller than stages={stages}: 1F1B needs at least one "
-            f"micro-batch per stage; use batch_size >= {stages} or schedule='gpipe'"
+            f"global_batch={global_batch} is smaller than stages={stages}: 1F1B needs at least one "
+            f"micro-batch per stage; use global_batch >= {stages} or schedule='gpipe'"
         )
     if (activation_bytes_per_sample is None) != (memory_bytes is None):
         raise ValueError("give both activation_bytes_per_sample and memory_bytes, or neither")
@@ -211,12 +211,12 @@ def choose_micro_batches(
         fits = [
             m
             for m in options
-            if in_flight(schedule, stages, m) * (batch_size // m) * activation_bytes_per_sample
+            if in_flight(schedule, stages, m) * (global_batch // m) * activation_bytes_per_sample
             <= memory_bytes
         ]
         if not fits:
             need = (
-                min(in_flight(schedule, stages, m) * (batch_size // m) for m in options)
+                min(in_flight(schedule, stages, m) * (global_batch // m) for m in options)
                 * activation_bytes_per_sample
             )
             raise ValueError(

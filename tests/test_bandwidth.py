@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import bandwidth, launch
+from labkit import bandwidth, launch, runtime
 from labkit.bandwidth import bandwidth_test
 from labkit.links import bus_bandwidth_factor
 
@@ -62,12 +62,12 @@ def test_on_a_gpu_the_collectives_are_timed_by_cuda_events_around_them(monkeypat
         def wait(self):
             order.append("wait")
 
-    class Buffer:
-        is_cuda = True
-
+    monkeypatch.delenv(runtime.CLUSTER_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(bandwidth, "_start", lambda *a: order.append("start op") or Work())
-    seconds = bandwidth._run("all_reduce", 3, Buffer(), Buffer(), 0, None)
+    seconds = bandwidth._run("all_reduce", 3, None, None, 0, None)
     assert order == [
         "record start",
         "start op",

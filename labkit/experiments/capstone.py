@@ -160,9 +160,6 @@ class Params(LabParams):
     steps: int = param(2, "timed steps per run (after one warm-up step)", minimum=1)
     trace_steps: int = param(3, "profiled steps per run", minimum=1)
     trace_dir: str = param("traces_06", "the folder of the runs' traces (replaced on each run)")
-    timeout_s: float = param(
-        120, "every collective must finish within this many seconds", minimum=0, strict=True
-    )
 
     LAB = "06_capstone"
     TEST = {"cluster": "cpu"}

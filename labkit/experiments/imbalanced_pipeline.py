@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import device_memory, runtime, timer, validate
-from labkit.experiments.params import LabParams, ParamError, param
+from labkit.experiments.params import LabParams, ParamError, gpt_param, param
 from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.layer_profile import LayerProfile, profile_layers
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
@@ -368,12 +368,12 @@ class Params(LabParams):
     """Lab 04's parameters."""
 
     stages: int = param(4, "pipeline ranks p, one stage each (2 on a node with two GPUs)", minimum=2)
-    n_layers: int = param(24, "transformer blocks", minimum=1)
-    d_model: int = param(64, "width", minimum=4)
-    vocab_size: int = param(
-        8192, "a large vocabulary: the LM head (and the embedding's gradient) is heavy", minimum=2
+    n_layers: int = gpt_param("n_layers", 24)
+    d_model: int = gpt_param("d_model", 64)
+    vocab_size: int = gpt_param(
+        "vocab_size", 8192, "a large one: the LM head (and the embedding's gradient) is heavy"
     )
-    seq_len: int = param(64, "tokens per sequence", minimum=2)
+    seq_len: int = gpt_param("seq_len", 64)
     global_batch: int = param(
         32, "sequences per step (the whole batch: no data parallelism in this lab)", minimum=1
     )
@@ -389,10 +389,8 @@ class Params(LabParams):
     steps: int = param(3, "timed steps per run (medians are reported)", minimum=1)
     warmup: int = param(1, "untimed steps first", minimum=0)
     interleaved: bool = param(True, "also run the interleaved 1F1B schedule (2 chunks per rank)")
-    timeout_s: float = param(
-        120, "every transfer must finish within this many seconds", minimum=0, strict=True
-    )
 
+    GPT_FIXED = {"n_heads": 4}
     LAB = "04_imbalanced_pipeline"
     RANKS = "stages"
     TEST = {"cluster": "cpu"}
@@ -400,25 +398,13 @@ class Params(LabParams):
 
     def check(self) -> None:
         self.check_multiple("d_model", 4, "the lab's GPT has 4 attention heads")
-        if self.n_layers < self.stages:
-            raise ParamError(
-                "n_layers",
-                self.n_layers,
-                f"at least stages={self.stages}",
-                self.stages,
-                why="every stage holds a block",
-            )
+        self.check_at_least("n_layers", self.stages, "stages", "every stage holds a block")
 
     def resolve(self, *, on_gpu: bool = False) -> Params:
         p = self if self.few_micro_batches is not None else replace(self, few_micro_batches=self.stages)
-        if p.few_micro_batches < p.stages:
-            raise ParamError(
-                "few_micro_batches",
-                p.few_micro_batches,
-                f"at least stages={p.stages}",
-                p.stages,
-                why="1F1B needs a micro-batch in flight on every stage",
-            )
+        p.check_at_least(
+            "few_micro_batches", p.stages, "stages", "1F1B needs a micro-batch in flight on every stage"
+        )
         if p.global_batch % p.few_micro_batches:
             raise ParamError(
                 "global_batch",
@@ -428,14 +414,6 @@ class Params(LabParams):
             )
         return p
 
-    def config(self) -> GPTConfig:
-        return GPTConfig(
-            n_layers=self.n_layers,
-            d_model=self.d_model,
-            n_heads=4,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-        )
 
 
 def headline(w: Where, p: Params) -> LabRecords:

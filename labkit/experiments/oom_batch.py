@@ -24,7 +24,7 @@ from torch import nn
 
 from labkit import device_memory, runtime, validate
 from labkit.batch import accumulation_steps
-from labkit.experiments.params import LabParams, ParamError, param
+from labkit.experiments.params import LabParams, ParamError, gpt_param, param
 from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.measured_memory import BatchSearch, find_max_batch, free_memory, measure
 from labkit.memory import MemoryBreakdown, estimate
@@ -264,11 +264,11 @@ class Params(LabParams):
         None, "sequences per optimizer step, summed over all ranks (None: 32 per rank)", minimum=1, example=64
     )
     micro_batch: int = param(4, "sequences per forward/backward in the accumulation exercise", minimum=1)
-    n_layers: int = param(4, "GPT blocks", minimum=1)
-    d_model: int = param(128, "width", minimum=1)
-    n_heads: int = param(4, "attention heads", minimum=1)
-    vocab_size: int = param(512, "vocabulary", minimum=2)
-    seq_len: int = param(64, "tokens per sequence", minimum=2)
+    n_layers: int = gpt_param("n_layers", 4)
+    d_model: int = gpt_param("d_model", 128)
+    n_heads: int = gpt_param("n_heads", 4)
+    vocab_size: int = gpt_param("vocab_size", 512)
+    seq_len: int = gpt_param("seq_len", 64)
     bucket_cap_mb: float = param(
         1.0,
         "DDP bucket size (DDP's default is 25; small here, so the model has several buckets)",
@@ -284,7 +284,6 @@ class Params(LabParams):
     frag_limit_mib: int = param(
         180, "memory for the fragmentation section (its pattern: 160, 8 x 20, then 40 MiB)", minimum=1
     )
-    timeout_s: float = param(120, "every launch must finish within this many seconds", minimum=0, strict=True)
 
     LAB = "02_oom_batch"
     TEST = {"cluster": "cpu", "big_preset": "gpt2"}  # FakeTensors of gpt2, not of 7B: 1 s, not 9
@@ -316,14 +315,6 @@ class Params(LabParams):
             )
         return p
 
-    def config(self) -> GPTConfig:
-        return GPTConfig(
-            n_layers=self.n_layers,
-            d_model=self.d_model,
-            n_heads=self.n_heads,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-        )
 
 
 def headline(w: Where, p: Params) -> LabRecords:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from labkit import device_memory, runtime, timer
 from labkit.cluster import Cluster
-from labkit.experiments.params import LabParams, ParamError, param
+from labkit.experiments.params import LabParams, ParamError, gpt_param, param
 from labkit.experiments.script import LabRecords, Meaning, Where, emulated_cluster, main
 from labkit.layout import Layout
 from labkit.links import Link, Topology, bus_bandwidth_factor
@@ -329,22 +329,19 @@ class Params(LabParams):
         strict=True,
         example=28,
     )
-    n_layers: int = param(8, "GPT blocks", minimum=1)
-    d_model: int = param(128, "width (tensor parallelism splits it)", minimum=1)
+    n_layers: int = gpt_param("n_layers", 8)
+    d_model: int = gpt_param("d_model", 128, "tensor parallelism splits it")
     n_heads: int | None = param(
         None,
         "attention heads, split by tensor parallelism (None: 8, or the ranks if more)",
         minimum=1,
         example=8,
     )
-    vocab_size: int = param(1024, "vocabulary", minimum=2)
-    seq_len: int = param(64, "tokens per sequence", minimum=2)
+    vocab_size: int = gpt_param("vocab_size", 1024)
+    seq_len: int = gpt_param("seq_len", 64)
     global_batch: int = param(32, "sequences per step, all replicas together", minimum=1)
     micro_batches: list[int] = param([4, 8], "micro-batch sizes the planner may choose", minimum=1)
     steps: int = param(2, "measured steps per layout (after one warm-up step)", minimum=1)
-    timeout_s: float = param(
-        120, "every collective must finish within this many seconds", minimum=0, strict=True
-    )
 
     LAB = "01_parallelism_choice"
     TEST = {"cluster": "cpu", "steps": 1}
@@ -386,14 +383,6 @@ class Params(LabParams):
             )
         return self
 
-    def config(self) -> GPTConfig:
-        return GPTConfig(
-            n_layers=self.n_layers,
-            d_model=self.d_model,
-            n_heads=self.n_heads or 8,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-        )
 
 
 def _described(w: Where, p: Params) -> Cluster:

@@ -2,7 +2,7 @@
 
     @dataclass(frozen=True)
     class Params(LabParams):
-        n_layers: int = param(6, "GPT blocks", minimum=1)
+        n_layers: int = gpt_param("n_layers", 6)
         bucket_cap_mb: float = param(0.5, "DDP's bucket size in MiB", minimum=0, strict=True)
 
 Everything else reads them from there: `labkit build` writes the notebook's parameters cell from the fields
@@ -30,9 +30,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
 from labkit.cluster import Cluster
+from labkit.models import GPTConfig
 from labkit.validate import ParamError
 
-__all__ = ["FORMS", "LabParams", "ParamError", "param"]
+__all__ = ["FORMS", "LabParams", "ParamError", "gpt_param", "param"]
 
 P = TypeVar("P", bound="LabParams")
 FORMS = ("set", "p", "cell", "python")  # where a value was typed: --set, labkit run -p, the notebook, a call
@@ -55,6 +56,24 @@ def param(
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+# One doc and one lower bound for each GPTConfig field a lab takes as a parameter (labkit.models.GPTConfig);
+# that d_model divides into the heads is each lab's own check (LabParams.check_multiple).
+_GPT_FIELDS = {
+    "n_layers": ("GPT blocks", 1),
+    "d_model": ("width", 1),
+    "n_heads": ("attention heads", 1),
+    "vocab_size": ("vocabulary", 2),
+    "seq_len": ("tokens per sequence", 2),
+}
+
+
+def gpt_param(name: str, default: int, why: str = "") -> Any:
+    """A GPTConfig field as a lab parameter: its one doc and lower bound, plus the lab's note on why it
+    matters there (`why`, shown in brackets in --help and the report)."""
+    doc, minimum = _GPT_FIELDS[name]
+    return param(default, f"{doc} ({why})" if why else doc, minimum=minimum)
 
 
 _NAMES = {
@@ -103,11 +122,15 @@ class LabParams:
         "auto: NCCL if this machine has a GPU per rank, else the emulated cluster (cpu)",
         choices=("auto", "cpu", "gpu"),
     )
+    timeout_s: float = param(
+        120, "every collective and transfer must finish within this many seconds", minimum=0, strict=True
+    )
 
     LAB: ClassVar[str] = ""  # "03_unoverlapped_comms"
     RANKS: ClassVar[str | None] = "world_size"  # the field that holds the ranks (None: the lab picks its own)
     TEST: ClassVar[Mapping[str, Any]] = {}  # the solution notebook's test run (small; the lesson still shows)
     SMOKE: ClassVar[Mapping[str, Any]] = {}  # the script's test runs under torchrun (tiny; any world size)
+    GPT_FIXED: ClassVar[Mapping[str, Any]] = {}  # GPTConfig fields the lab fixes instead of taking them
 
     # ----------------------------------------------------------------- checks
 
@@ -144,6 +167,12 @@ class LabParams:
         value = getattr(self, name)
         if value is not None and value % of:
             raise ParamError(name, value, f"a multiple of {of}", max(of, round(value / of) * of), why=why)
+
+    def check_at_least(self, name: str, least: int, of: str, why: str) -> None:
+        """Raise `ParamError` unless field `name` is at least `least`, the value of `of` (also the fix)."""
+        value = getattr(self, name)
+        if value is not None and value < least:
+            raise ParamError(name, value, f"at least {of}={least}", least, why=why)
 
     # ----------------------------------------------------------- making them
 
@@ -217,6 +246,12 @@ class LabParams:
         """Fill in the defaults that depend on the ranks (and on whether they are GPUs); check what needs
         them. Labs with such defaults override it; it returns `self` unchanged here."""
         return self
+
+    def config(self) -> GPTConfig:
+        """The lab's GPT (labs that train one): the GPTConfig fields among its parameters, then GPT_FIXED."""
+        names = [f.name for f in dataclasses.fields(GPTConfig) if hasattr(self, f.name)]
+        shape = {name: getattr(self, name) for name in names}
+        return GPTConfig(**{**shape, **self.GPT_FIXED})
 
     def as_dict(self) -> dict[str, Any]:
         """The values, for records and reports."""

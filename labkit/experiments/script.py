@@ -5,14 +5,16 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m labkit.experiments.parallelism_choice --out 01.json
 
-Each lab's driver module ends with `main(argv)`, which calls `run_lab` with its `headline(where, **params)`:
-the lab's measurement in a few launches, returning the records its notebook writes (before, after, limit,
-unit, meaning, metric and the extras that say why). Every rank runs the script; every `labkit.launch` inside
-gathers the ranks' results onto every rank (`labkit.torchrun`), so every rank computes the same records from
-them and rank 0 alone prints them (`labkit-record` lines, as `labkit.record` does outside a notebook) and
-writes them to `--out`. `--set key value` overrides a parameter (JSON values; an unknown key is refused with
-the list); a parameter the lab cannot run with ends the script with exit status 2 and the message (its value
-and the fix).
+Each lab's driver module declares its `Params` (`labkit.experiments.params`) and `headline(where, params)`,
+the lab's measurement in a few launches, returning the `LabRecords` its notebook writes (before, after, limit,
+unit, meaning, metric and the extras that say why), and ends with `main(__spec__.name)`, which runs `run_lab`.
+
+Every rank runs the script; every `labkit.launch` inside gathers the ranks' results onto every rank
+(`labkit.torchrun`), so every rank computes the same records from them and rank 0 alone prints them
+(`labkit-record` lines, as `labkit.record` does outside a notebook) and writes them to `--out`. `--set key
+value` overrides a parameter (JSON values; an unknown key is refused with the list; `--help` lists the
+parameters with their docs); a parameter the lab cannot run with ends the script with exit status 2 and the
+message (its value, the constraint and the fix) on every rank.
 
 What the numbers are depends on where they ran, and the records say so (`where`): the emulated cluster when
 `labkit.launch` starts the ranks on a machine without GPUs (virtual clock, modelled links, memory budget);

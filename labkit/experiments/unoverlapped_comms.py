@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import emulate, runtime, timer, validate
-from labkit.experiments.params import LabParams, param
+from labkit.experiments.params import LabParams, gpt_param, param
 from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.models import GPTConfig, seeded_model
 from labkit.parallel.data import OverlappedDDP
@@ -151,7 +151,7 @@ def _record(row: ModeSteps, trainer: Trainer, ms: float, cpu_ms: float, waited_m
 def train_steps(
     modes: Sequence[str] = ("compute", "naive", "overlapped"),
     config: GPTConfig | None = None,
-    batch_size: int = 16,
+    micro_batch: int = 16,
     *,
     steps: int = 5,
     warmup: int = 1,
@@ -174,8 +174,8 @@ def train_steps(
     count, zero gradients, nothing else: communication alone).
 
     The modes take turns step by step (all do step 1, then step 2, ...), so a slow spell of a noisy machine
-    hits them all; a barrier precedes every timed step. Each rank trains on its `batch_size` rows of a global
-    batch of `batch_size x world_size`. With `check`, every rank also runs a single-process reference on the
+    hits them all; a barrier precedes every timed step. Each rank trains on its `micro_batch` rows of a global
+    batch of `micro_batch x world_size`. With `check`, every rank also runs a single-process reference on the
     whole global batch and, after every step, records the largest absolute parameter difference of each
     training mode against it. Afterwards the modes in `trace_modes` are profiled for `trace_steps` steps
     (after one warm-up) with `labkit.trace.capture`, one file per mode and rank; on the emulated cluster's
@@ -186,12 +186,12 @@ def train_steps(
     config = config if config is not None else GPTConfig()
     dev = runtime.device()
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    global_batch = batch_size * world
+    global_batch = micro_batch * world
     trainers = {
         m: Trainer(
             TrainingJob(
                 global_batch=global_batch,
-                micro_batch=batch_size,
+                micro_batch=micro_batch,
                 optimizer="sgd",
                 lr=lr,
                 grad_sync=MODES[m].grad_sync,
@@ -325,9 +325,9 @@ class Params(LabParams):
     """Lab 03's parameters."""
 
     world_size: int = param(2, "data-parallel ranks, one per GPU or emulated GPU", minimum=1)
-    n_layers: int = param(6, "GPT blocks (each block has 12 parameter tensors)", minimum=1)
-    d_model: int = param(128, "width", minimum=4)
-    seq_len: int = param(64, "tokens per sequence", minimum=2)
+    n_layers: int = gpt_param("n_layers", 6, "each block has 12 parameter tensors")
+    d_model: int = gpt_param("d_model", 128)
+    seq_len: int = gpt_param("seq_len", 64)
     micro_batch: int = param(
         12, "sequences per rank and step (compute comparable with communication)", minimum=1
     )
@@ -346,10 +346,8 @@ class Params(LabParams):
     steps: int = param(5, "timed steps per measurement (medians are reported)", minimum=1)
     warmup: int = param(1, "untimed steps first", minimum=0)
     trace_dir: str = param("traces_03", "the folder of the traces (replaced on each run)")
-    timeout_s: float = param(
-        120, "every collective must finish within this many seconds", minimum=0, strict=True
-    )
 
+    GPT_FIXED = {"n_heads": 4, "vocab_size": 256}
     LAB = "03_unoverlapped_comms"
     TEST = {"cluster": "cpu"}
     SMOKE = {"n_layers": 2, "d_model": 32, "seq_len": 16, "micro_batch": 4, "steps": 2}
@@ -357,10 +355,6 @@ class Params(LabParams):
     def check(self) -> None:
         self.check_multiple("d_model", 4, "the lab's GPT has 4 attention heads")
 
-    def config(self) -> GPTConfig:
-        return GPTConfig(
-            n_layers=self.n_layers, d_model=self.d_model, n_heads=4, vocab_size=256, seq_len=self.seq_len
-        )
 
 
 def headline(w: Where, p: Params) -> LabRecords:

@@ -16,9 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.experiments.params import LabParams, param
+from labkit.experiments.params import LabParams, gpt_param, param
 from labkit.experiments.script import LabRecords, Meaning, Where, main
-from labkit.models import GPTConfig
 from labkit.trace.diagnose import diagnose
 from labkit.training.job import TrainingJob
 from labkit.training.loop import JobResult, train_jobs
@@ -45,19 +44,17 @@ class Params(LabParams):
     """Lab 05's parameters."""
 
     world_size: int = param(2, "data-parallel ranks (a straggler needs two)", minimum=2)
-    n_layers: int = param(2, "GPT blocks", minimum=1)
-    d_model: int = param(64, "width", minimum=4)
-    vocab_size: int = param(2048, "vocabulary (the logits are batch x seq x vocab)", minimum=2)
-    seq_len: int = param(64, "tokens per sequence", minimum=2)
+    n_layers: int = gpt_param("n_layers", 2)
+    d_model: int = gpt_param("d_model", 64)
+    vocab_size: int = gpt_param("vocab_size", 2048, "the logits are batch x seq x vocab")
+    seq_len: int = gpt_param("seq_len", 64)
     micro_batch: int = param(8, "sequences per rank and step", minimum=1)
     mystery_seed: int = param(3, "picks which mistake is planted in the job", minimum=0)
     steps: int = param(3, "timed steps per job (after one warm-up step)", minimum=1)
     trace_steps: int = param(3, "profiled steps per job (after one profiled warm-up step)", minimum=1)
     trace_dir: str = param("traces_05", "the folder of the jobs' traces (replaced on each run)")
-    timeout_s: float = param(
-        120, "every collective must finish within this many seconds", minimum=0, strict=True
-    )
 
+    GPT_FIXED = {"n_heads": 4}
     LAB = "05_unprofiled_run"
     TEST = {
         "cluster": "cpu"
@@ -67,14 +64,6 @@ class Params(LabParams):
     def check(self) -> None:
         self.check_multiple("d_model", 4, "the lab's GPT has 4 attention heads")
 
-    def config(self) -> GPTConfig:
-        return GPTConfig(
-            n_layers=self.n_layers,
-            d_model=self.d_model,
-            n_heads=4,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-        )
 
 
 def kinds_that_show(on_gpu: bool) -> list[str]:

@@ -15,7 +15,7 @@ Not done here: vocabulary-parallel embedding and LM head (section 3's split of t
 embedding) and sequence parallelism (Korthikanti et al. 2022). The embeddings, every LayerNorm
 and the head stay replicated on every TP rank; they see the same input, so their gradients are
 already equal on every rank and need no extra communication. Every rank must start from the same
-full model (e.g. `labkit.experiments.common.seeded_model`). The process group is always passed
+full model (e.g. `labkit.models.seeded_model`). The process group is always passed
 explicitly (None: the default group); nothing is global. Neighbours: `data.py`, `pipeline.py`.
 """
 

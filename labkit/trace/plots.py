@@ -97,9 +97,8 @@ def plot_pipeline(
     for rank, spans in enumerate(spans_by_rank):
         busy = sum(e - a for *_, a, e in spans)
         for kind, stage, mb, a, e in spans:
-            color = shades[kind][
-                stage // len(spans_by_rank) % 2
-            ]  # a second chunk per rank: the lighter shade
+            # a second chunk per rank (interleaved schedules): the lighter shade
+            color = shades[kind][stage // len(spans_by_rank) % 2]
             ax.broken_barh(
                 [(a, e - a)], (-rank - 0.4, 0.8), facecolor=color, edgecolor="white", linewidth=0.5
             )
@@ -123,33 +122,26 @@ def mark_diagnosis(fig: Any, traces: Sequence[Trace], diagnosis: Any, step: int 
         y = -(row * 2.6)
         if diagnosis.kind == "straggler" and tr.rank == diagnosis.rank:
             ax.axhspan(y - 1.5, y + 0.5, color=color, alpha=0.12)
+        # the events to outline, and the lane they sit in (the phase lane, or the one below it)
         if diagnosis.kind == "data_loading":
-            for e in tr.events:
-                if (
-                    e.category == "labkit_phase"
-                    and e.name.startswith("phase:data")
-                    and s.start_us <= e.start_us < s.end_us
-                ):
-                    a = (e.start_us - s.start_us) / 1e3
-                    ax.broken_barh(
-                        [(a, e.dur_us / 1e3)],
-                        (y - 0.45, 0.9),
-                        facecolor="none",
-                        edgecolor=color,
-                        hatch="//",
-                        linewidth=1.0,
-                    )
-        if diagnosis.kind in ("sync_collective", "small_collectives"):
-            for e in tr.lane("comm"):
-                if s.start_us <= e.start_us < s.end_us:
-                    a = (e.start_us - s.start_us) / 1e3
-                    ax.broken_barh(
-                        [(a, e.dur_us / 1e3)],
-                        (y - 1.45, 0.9),
-                        facecolor="none",
-                        edgecolor=color,
-                        linewidth=1.0,
-                    )
+            marked = [
+                e for e in tr.events if e.category == "labkit_phase" and e.name.startswith("phase:data")
+            ]
+            top, hatch = y - 0.45, "//"
+        elif diagnosis.kind in ("sync_collective", "small_collectives"):
+            marked, top, hatch = list(tr.lane("comm")), y - 1.45, None
+        else:
+            marked, top, hatch = [], y, None
+        for e in marked:
+            if s.start_us <= e.start_us < s.end_us:
+                ax.broken_barh(
+                    [((e.start_us - s.start_us) / 1e3, e.dur_us / 1e3)],
+                    (top, 0.9),
+                    facecolor="none",
+                    edgecolor=color,
+                    hatch=hatch,
+                    linewidth=1.0,
+                )
     who = "" if diagnosis.rank is None else f" on rank {diagnosis.rank}"
     ax.set_title(f"{ax.get_title()}\ndiagnosis: {diagnosis.kind}{who} (marked in red)", fontsize=10)
     fig.tight_layout()

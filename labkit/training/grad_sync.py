@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,21 @@ class GradSync:
     """No averaging (the base of the others, and "none")."""
 
     def __init__(
-        self, model: nn.Module, process_group: dist.ProcessGroup | None, log: CommLog | None
+        self,
+        model: nn.Module,
+        process_group: dist.ProcessGroup | None,
+        log: CommLog | None,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         self.model, self.process_group, self.log = model, process_group, log
-        self.module: nn.Module = model
+        self.bucket_cap_mb = bucket_cap_mb  # for the bucketed ones (DDP's default is 25)
         self.collectives = 0  # issued in the last step
         self.in_backward = 0  # of those, launched before backward returned
+        self.module: nn.Module = self.wrap(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """What the forward runs through: the model itself, or a DDP around it."""
+        return model
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Around a micro-step whose gradients stay local (accumulation)."""
@@ -80,18 +90,15 @@ class Overlapped(GradSync):
     """`OverlappedDDP` (or `ddp_class`, a subclass): buckets all-reduced from gradient hooks during
     backward."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        process_group: dist.ProcessGroup | None,
-        log: CommLog | None,
-        bucket_cap_mb: float,
-        ddp_class: type[OverlappedDDP] = OverlappedDDP,
-    ) -> None:
-        super().__init__(model, process_group, log)
-        self.module = self.ddp = ddp_class(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
-        if log is not None:
-            self.ddp.comm_log = log
+    def __init__(self, *args: Any, ddp_class: type[OverlappedDDP] = OverlappedDDP, **kwargs: Any) -> None:
+        self.ddp_class = ddp_class  # read by wrap(), which GradSync's constructor calls
+        super().__init__(*args, **kwargs)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.ddp = self.ddp_class(model, bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group)
+        if self.log is not None:
+            self.ddp.comm_log = self.log
+        return self.ddp
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.ddp.no_sync()
@@ -152,18 +159,12 @@ class CountingAllReduce:
 class TorchDDP(GradSync):
     """torch's DDP, its bucket all-reduces counted (DDP launches them from its own hooks during backward)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        process_group: dist.ProcessGroup | None,
-        log: CommLog | None,
-        bucket_cap_mb: float,
-    ) -> None:
-        super().__init__(model, process_group, log)
-        self.module = self.ddp = make_ddp(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
-        self.counter = CountingAllReduce(process_group, log=log)
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.ddp = make_ddp(model, bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group)
+        self.counter = CountingAllReduce(self.process_group, log=self.log)
         self.ddp.register_comm_hook(self.counter, CountingAllReduce.hook)
         self.calls: list[tuple[int, int]] = []  # (bucket index, bytes) of the last step's all-reduces
+        return self.ddp
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.ddp.no_sync()
@@ -198,7 +199,7 @@ def make_grad_sync(
     if kind == "per_tensor":
         return PerTensor(model, process_group, log)
     if kind == "overlapped":
-        return Overlapped(model, process_group, log, bucket_cap_mb, ddp_class or OverlappedDDP)
+        return Overlapped(model, process_group, log, bucket_cap_mb, ddp_class=ddp_class or OverlappedDDP)
     if kind == "ddp":
         return TorchDDP(model, process_group, log, bucket_cap_mb)
     return NoSync(model, process_group, log)

@@ -80,7 +80,7 @@ def test_an_unknown_name_lists_the_labs_parameters():
     with pytest.raises(
         ParamError,
         match=r"^nope=1 must be a parameter of lab 03_unoverlapped_comms; its "
-        r"parameters: cluster='auto', world_size=2, n_layers=6",
+        r"parameters: cluster='auto', timeout_s=120, world_size=2, n_layers=6",
     ):
         LAB03.make({"nope": 1}, "p")
 
