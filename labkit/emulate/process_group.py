@@ -217,13 +217,19 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         return self._allgather_base(output, input, opts)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+    def _pairwise(self, one: Callable, op: str, outputs, inputs, opts, recorded, nbytes: int):
+        """A coalesced all-gather or reduce-scatter: `one(gloo, output, input, opts)` on each pair."""
 
         def start() -> _AllWork:
-            return _AllWork([compat.allgather_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)])
+            return _AllWork([one(self._inner, o, i, opts) for o, i in zip(outputs, inputs)])
 
-        return self._later(start, "all_gather", inputs, _nbytes(outputs), result=outputs)
+        return self._later(start, op, recorded, nbytes, result=outputs)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._pairwise(
+            compat.allgather_base, "all_gather", outputs, inputs, opts, inputs, _nbytes(outputs)
+        )
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
@@ -252,13 +258,9 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-
-        def start() -> _AllWork:
-            return _AllWork(
-                [compat.reduce_scatter_base(self._inner, o, i, opts) for o, i in zip(outputs, inputs)]
-            )
-
-        return self._later(start, "reduce_scatter", outputs, _nbytes(inputs))
+        return self._pairwise(
+            compat.reduce_scatter_base, "reduce_scatter", outputs, inputs, opts, outputs, _nbytes(inputs)
+        )
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
