@@ -323,8 +323,8 @@ class Params(LabParams):
     nodes: int = param(2, "emulated nodes (under torchrun: torchrun's)", minimum=1)
     memory_mib: float | None = param(
         None,
-        "memory of each emulated GPU, MiB (None: 70 % of what plain data "
-        "parallelism needs, so that it does not fit)",
+        "memory of each emulated GPU, MiB (None: one in which plain data parallelism does not fit and a "
+        "sharded layout does, by the planner's estimate)",
         minimum=0,
         strict=True,
         example=28,
@@ -364,12 +364,7 @@ class Params(LabParams):
         p.check_multiple(
             "d_model", p.n_heads, f"each of the n_heads={p.n_heads} heads gets d_model / n_heads"
         )
-        if p.memory_mib is None:
-            plain = estimate(
-                model=p.config(), dp=w, precision="fp32", optimizer="adam", micro_batch=p.micro_batches[0]
-            ).peak
-            p = replace(p, memory_mib=float(round(0.7 * plain / 2**20)))
-        return p
+        return p if p.memory_mib is not None else replace(p, memory_mib=_lesson_memory_mib(p))
 
     def for_nodes(self, nodes: int) -> Params:
         """Checked for `nodes` nodes sharing the ranks (the emulated cluster's; torchrun's)."""
@@ -383,6 +378,38 @@ class Params(LabParams):
             )
         return self
 
+
+
+def _lesson_memory_mib(p: Params) -> float:
+    """The default memory per GPU: one in which plain data parallelism does not fit and a sharded layout does,
+    by the planner's own arithmetic at the smallest micro-batch (ZeRO-0, no checkpointing, as the lab plans).
+
+    70 % of plain data parallelism's estimate (the lab's figure on 8 ranks), raised where that leaves no
+    sharded layout room (2 ranks: sharding by 2 halves too little) to the geometric mean of the two peaks,
+    plain and the least sharded one, over the planner's headroom: always between them."""
+    w = p.world_size
+    config = p.config()
+    link = Link(1.0, 0.0)  # links do not change memory; given, so that nothing is calibrated
+    roomy = Cluster.emulated(nodes=1, gpus_per_node=w, memory_gib=2.0**20, intra_node=link, inter_node=link)
+    the_plan = plan(
+        config,
+        roomy,
+        p.global_batch,
+        precision="fp32",
+        rates=Rates(flops_per_s=1.0),
+        micro_batch_sizes=(min(p.micro_batches),),
+        zero_stages=(0,),
+        checkpointing=(False,),
+    )
+    peaks = {c.layout: c.memory.peak for c in the_plan.candidates if c.memory is not None}
+    plain = peaks.pop(Layout(dp=w), None)
+    sharded = min(peaks.values(), default=None)
+    memory = 0.7 * estimate(
+        model=config, dp=w, precision="fp32", optimizer="adam", micro_batch=p.micro_batches[0]
+    ).peak
+    if plain is not None and sharded is not None and sharded < plain:
+        memory = max(memory, (plain * sharded) ** 0.5 / (1 - the_plan.headroom))
+    return float(round(memory / 2**20))
 
 
 def _described(w: Where, p: Params) -> Cluster:

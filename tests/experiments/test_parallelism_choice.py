@@ -13,7 +13,7 @@ from labkit.experiments.parallelism_choice import layout_steps, measure_rates, s
 from labkit.layout import Layout
 from labkit.links import Link
 from labkit.models import GPTConfig
-from labkit.planner import forward_flops_per_token
+from labkit.planner import Rates, forward_flops_per_token, plan
 from labkit.training.reference import reference_gradients
 
 CONFIG = GPTConfig(n_layers=8, d_model=128, n_heads=8, vocab_size=1024, seq_len=64)
@@ -58,3 +58,27 @@ def test_measure_rates_times_the_step_on_the_ranks_timer(monkeypatch):
     assert rates.flops_per_s == pytest.approx(flops / 0.010)
     assert rates.optimizer_s_per_param == pytest.approx(0.010 / config.num_params())
     assert "measured on this CPU" in rates.source
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_the_default_memory_leaves_plain_data_parallelism_out_and_a_sharded_layout_in(ranks):
+    # The lesson on paper, on the ranks at hand: planned as the lab plans (fp32, its micro-batches, ZeRO-0, no
+    # checkpointing) in the default memory, plain data parallelism does not fit and some sharded layout does
+    # (2 ranks: 70 % of plain data parallelism left none, and the script exited with "no layout fits").
+    p = parallelism_choice.Params(world_size=ranks, nodes=1).resolve()
+    link = Link(1.0, 0.0)
+    cluster = Cluster.emulated(
+        nodes=1, gpus_per_node=ranks, memory_gib=p.memory_mib / 1024, intra_node=link, inter_node=link
+    )
+    the_plan = plan(
+        p.config(),
+        cluster,
+        p.global_batch,
+        precision="fp32",
+        rates=Rates(flops_per_s=1.0),
+        micro_batch_sizes=tuple(p.micro_batches),
+        zero_stages=(0,),
+        checkpointing=(False,),
+    )
+    assert not the_plan.candidate(ranks, 1, 1).ok, the_plan.table()
+    assert any(c.ok for c in the_plan.candidates if c.layout.dp < ranks), the_plan.table()
