@@ -1,10 +1,12 @@
-"""`labkit doctor | run | build | report`: the course from a terminal or CI.
+"""`labkit doctor | run | build | report | quiz | grade`: the course from a terminal or CI.
 
 labkit doctor                      what this machine is, and a 2-rank smoke test
 labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs] [-p KEY VALUE]
                                    execute the solution notebooks, write the report
 labkit build [--check]             write labs/ from solutions/ (or check it is current)
 labkit report RUN_DIR              rewrite the report of an earlier run
+labkit quiz [--topic T] [--exam N]  practice questions, or a timed mock exam
+labkit grade SUBMISSIONS [--csv F] run learners' notebooks and report each check
 """
 
 from __future__ import annotations

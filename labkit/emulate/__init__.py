@@ -8,7 +8,7 @@
 * `timing.py`: when a collective completes, on the virtual clock (default) or the wall clock;
 * `budget.py`: `MemoryBudget`, a per-rank memory limit that raises a CUDA-like OOM.
 
-`labkit.runtime` sets these up on each rank; `labkit.launch` reads the records.
+`labkit.rank_setup` sets these up on each rank; `labkit.launch` reads the records.
 """
 
 from labkit.emulate.allocator import CachingAllocator

@@ -8,7 +8,7 @@
   halves its scale), then one normal step.
 
 Neighbours: ``oom_batch.py`` (lab 02's data-parallel driver, bf16 autocast only) and
-``common.py`` (``seeded_model``); the memory formulas are in ``labkit.memory``.
+``labkit.models`` (``seeded_model``); the memory formulas are in ``labkit.memory``.
 """
 
 from __future__ import annotations
