@@ -386,7 +386,7 @@ def _lesson_memory_mib(p: Params) -> float:
 
     70 % of plain data parallelism's estimate (the lab's figure on 8 ranks), raised where that leaves no
     sharded layout room (2 ranks: sharding by 2 halves too little) to the geometric mean of the two peaks,
-    plain and the least sharded one, over the planner's headroom: always between them."""
+    plain and the sharded layout that needs least, over the planner's headroom: always between them."""
     w = p.world_size
     config = p.config()
     link = Link(1.0, 0.0)  # links do not change memory; given, so that nothing is calibrated
