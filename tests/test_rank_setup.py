@@ -148,3 +148,32 @@ def test_a_virtual_rank_reuses_freed_memory_instead_of_page_faulting_it_in_again
     virtual = launch(_faults_of_reused_tensors, world_size=1, cluster=Cluster.emulated(gpus_per_node=1))[0]
     # (glibc's default, clock="wall", measured 0 or ~40,000 here, by its dynamic mmap threshold)
     assert virtual < 100, virtual
+
+
+def _faults_of_fresh_tensors(warm: bool) -> tuple[bool, int]:
+    import resource
+
+    from labkit import runtime
+
+    warmed = runtime.warm_heap(64) if warm else False
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    held = [torch.ones(2**20) for _ in range(8)]  # 32 MiB this rank has not used yet, held together
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    del held
+    return warmed, faults
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="needs getrusage per thread")
+def test_a_warmed_heap_serves_fresh_tensors_without_page_faults():
+    # Fresh memory faults its pages in on first touch (8,192 for 32 MiB), on the rank's clock: a rank that
+    # happens to touch more of it looks slower. warm_heap pages the heap in once, before anything is measured.
+    cpu = Cluster.emulated(gpus_per_node=1)
+    cold = launch(_faults_of_fresh_tensors, False, world_size=1, cluster=cpu)[0]
+    warm = launch(_faults_of_fresh_tensors, True, world_size=1, cluster=cpu)[0]
+    assert cold == (False, cold[1]) and cold[1] > 4000, cold
+    assert warm[0] and warm[1] < 500, warm
+    # off the virtual clock (the wall clock, a GPU) it does nothing
+    wall = launch(
+        _faults_of_fresh_tensors, True, world_size=1, cluster=Cluster.emulated(gpus_per_node=1, clock="wall")
+    )
+    assert wall[0] == (False, wall[0][1])

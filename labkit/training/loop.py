@@ -12,7 +12,8 @@ Launch it with `labkit.launch` (every rank calls it). For each job, one after th
    are in the steady state: a fast rank already waits for a straggler's previous step), one folder per job.
 
 `same_core`: on the emulated cluster every rank shares one core (`labkit.runtime.share_one_core`), so that a
-slow core is not taken for a straggler, at twice the wall time.
+slow core is not taken for a straggler, at twice the wall time. Each emulated rank first pages its heap in
+(`labkit.runtime.warm_heap`), so that a rank's first touch of fresh memory is not taken for one either.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def train_jobs(
     names = list(names) if names is not None else [f"{i}_{job_name(job)}" for i, job in enumerate(jobs)]
     if len(names) != len(jobs):
         raise ValueError(f"names has {len(names)} entries for {len(jobs)} jobs: one folder name per job")
+    runtime.warm_heap()  # before the ranks share one core: each touches its own pages at once
     if same_core:
         runtime.share_one_core()
     rank = dist.get_rank(process_group)
