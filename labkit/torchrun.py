@@ -44,9 +44,14 @@ def under_torchrun() -> bool:
 
 
 def external_ranks() -> tuple[str, int, int] | None:
-    """(launcher, this task, tasks) when srun or mpirun started this process as one of several, else None."""
+    """(launcher, this task, tasks) when srun or mpirun started this process as one of several, else None.
+
+    For SLURM the step's task count (`SLURM_STEP_NUM_TASKS`, set by srun for the tasks of a step), not the
+    allocation's (`SLURM_NTASKS`): a batch script, or a Jupyter started inside `salloc --ntasks 8`, inherits
+    SLURM_NTASKS=8 and SLURM_PROCID=0 while it is one process (srun(1), OUTPUT ENVIRONMENT VARIABLES).
+    """
     for launcher, rank_var, size_var in (
-        ("srun", "SLURM_PROCID", "SLURM_NTASKS"),
+        ("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
         ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
         ("mpirun", "PMI_RANK", "PMI_SIZE"),
     ):

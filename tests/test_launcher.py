@@ -454,7 +454,7 @@ def test_rank_that_never_arrives_is_named_after_the_collective_timeout():
 
 
 def test_a_task_of_srun_without_torchrun_is_told_how_to_start(monkeypatch):
-    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")
     monkeypatch.setenv("SLURM_PROCID", "3")
     with pytest.raises(ValueError, match="task 3 of 16 that srun started, not under torchrun"):
         launch(_sum_ranks, 0, world_size=16, cluster=CPU)

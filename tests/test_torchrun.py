@@ -81,6 +81,7 @@ def test_an_emulated_cluster_is_refused_under_torchrun():
 def test_tasks_of_srun_or_mpirun_are_recognised(monkeypatch):
     for var in (
         "SLURM_NTASKS",
+        "SLURM_STEP_NUM_TASKS",
         "SLURM_PROCID",
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_RANK",
@@ -89,13 +90,16 @@ def test_tasks_of_srun_or_mpirun_are_recognised(monkeypatch):
     ):
         monkeypatch.delenv(var, raising=False)
     assert torchrun.external_ranks() is None
-    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: nothing to refuse
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # one task: nothing to refuse
     monkeypatch.setenv("SLURM_PROCID", "0")
     assert torchrun.external_ranks() is None
-    monkeypatch.setenv("SLURM_NTASKS", "16")
+    # a batch script or a Jupyter inside an 8-task allocation: the allocation's count, one process
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert torchrun.external_ranks() is None
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")  # task 3 of an srun step of 16
     monkeypatch.setenv("SLURM_PROCID", "3")
     assert torchrun.external_ranks() == ("srun", 3, 16)
-    monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
     assert torchrun.external_ranks() == ("mpirun", 2, 4)
