@@ -13,7 +13,8 @@ timeline is closest to the device:
 
 From the host trace it also takes the operators with the most self time, data loading (PyTorch's
 "enumerate(DataLoader)#..." spans and `phase("data...")`) and host synchronisations (`aten::item`,
-`aten::_local_scalar_dense`, `cuda*Synchronize`). HolisticTraceAnalysis is not needed (it fails on
+`aten::_local_scalar_dense`, `cuda*Synchronize`; not capture's own wait at the end of each step,
+`STEP_END_SYNC`). HolisticTraceAnalysis is not needed (it fails on
 CPU-only traces). `diagnose.py` turns the breakdown into a verdict.
 """
 
@@ -29,7 +30,16 @@ from typing import Any
 
 from labkit.trace.commlog import COMM_CATEGORY
 from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
-from labkit.trace.timeline import Trace, TraceEvent, load_json, read_trace, step_lanes, subtract, union
+from labkit.trace.timeline import (
+    STEP_END_SYNC,
+    Trace,
+    TraceEvent,
+    load_json,
+    read_trace,
+    step_lanes,
+    subtract,
+    union,
+)
 
 __all__ = ["Collective", "RankBreakdown", "analyze", "read_timelines", "trace_files"]
 
@@ -158,6 +168,20 @@ def _named(host: Trace | None, lo: float, hi: float, names: tuple[str, ...], pre
     return union(_clip(hits, lo, hi))
 
 
+def _host_syncs(host: Trace | None, lo: float, hi: float) -> list[Interval]:
+    """The job's host synchronisations in [lo, hi]: not the ones inside capture's own `STEP_END_SYNC`."""
+    if host is None:
+        return []
+    own = [(e.pid, e.tid, e.start_us, e.end_us) for e in host.events if e.name == STEP_END_SYNC]
+    hits = [
+        e
+        for e in host.events
+        if e.name in HOST_SYNC_OPS
+        and not any(p == e.pid and t == e.tid and a <= e.start_us and e.end_us <= b for p, t, a, b in own)
+    ]
+    return union(_clip(hits, lo, hi))
+
+
 def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdown:
     """From the emulated device timeline (virtual time), with names from the host trace."""
     rows = []
@@ -190,7 +214,7 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
                 )
             )
         host_step = host.steps[i] if host is not None and i < len(host.steps) else None
-        syncs = _named(host, host_step.start_us, host_step.end_us, HOST_SYNC_OPS, False) if host_step else []
+        syncs = _host_syncs(host, host_step.start_us, host_step.end_us) if host_step else []
         rows.append(
             dict(
                 step=(hi - lo) / 1e3,
@@ -229,7 +253,7 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
                 [e for e in host.lane("comm") if lo <= e.start_us < hi and e.name.startswith("c10d::")]
             )
         data = _named(host, lo, hi, DATA_PREFIXES, True)
-        syncs = _named(host, lo, hi, HOST_SYNC_OPS, False)
+        syncs = _host_syncs(host, lo, hi)
         busy = union(compute + comm)
         rows.append(
             dict(

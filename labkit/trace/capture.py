@@ -24,7 +24,7 @@ import torch.distributed as dist
 from labkit import emulate, runtime, validate
 from labkit.trace.commlog import COMM_CATEGORY, COMM_THREAD, CommLog
 from labkit.trace.device import device_trace_path, write_device_trace
-from labkit.trace.timeline import dump_json, load_json
+from labkit.trace.timeline import STEP_END_SYNC, dump_json, load_json
 
 __all__ = ["CLOCK_SYNC", "capture"]
 
@@ -108,7 +108,8 @@ def capture(
             anchors.append((t0, time.perf_counter_ns()))
             v0 = clock.now() if clock is not None else 0.0
             step_fn()
-            runtime.synchronize()  # on a GPU the step's kernels end inside its ProfilerStep
+            with record_function(STEP_END_SYNC):  # analyze does not count it as the job's host sync
+                runtime.synchronize()  # on a GPU the step's kernels end inside its ProfilerStep
             if clock is not None:
                 windows.append((i, v0, clock.now()))
             with _without_kineto_log():

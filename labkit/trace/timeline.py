@@ -30,6 +30,7 @@ from typing import Any
 from labkit.trace.commlog import COMM_CATEGORY
 
 __all__ = [
+    "STEP_END_SYNC",
     "Step",
     "Trace",
     "TraceEvent",
@@ -42,6 +43,10 @@ __all__ = [
     "subtract",
     "union",
 ]
+
+# The span around `capture`'s own wait for a step's kernels (so that they end inside its ProfilerStep#N): the
+# cudaDeviceSynchronize inside it is the profiler's doing, not a host sync of the job (`analyze` leaves it out).
+STEP_END_SYNC = "labkit:step_end_sync"
 
 Interval = tuple[float, float]
 

@@ -8,6 +8,7 @@ import pytest
 
 from labkit.trace import read_timelines
 from labkit.trace.analyze import analyze, trace_files
+from labkit.trace.timeline import STEP_END_SYNC
 
 
 def test_the_emulated_device_timeline_is_read_with_names_from_the_host_trace(tmp_path, traces):
@@ -48,6 +49,23 @@ def test_gpu_kernels_decide_compute_and_communication(tmp_path, traces):
     assert (b.compute_ms, b.comm_ms, b.exposed_comm_ms, b.wait_ms) == (5, 4, 2, 3)
     assert b.overlap_pct == pytest.approx(50) and b.collectives == 1
     assert (b.host_sync_ms, b.data_ms) == (2, 1)
+
+
+def test_captures_own_wait_at_the_end_of_a_step_is_not_a_host_sync(tmp_path, traces):
+    # capture synchronises after each step so that its kernels end inside ProfilerStep#N: that
+    # cudaDeviceSynchronize, inside labkit's span, is not the job's; the job's own .item() still counts
+    events = [
+        traces.step(),
+        traces.x("sm80_gemm", "kernel", 0, 8, tid=7),
+        traces.x("aten::item", "cpu_op", 2, 1),
+        traces.x(STEP_END_SYNC, "user_annotation", 8, 2),
+        traces.x("cudaDeviceSynchronize", "cuda_runtime", 8, 1.9),
+        traces.x("cudaDeviceSynchronize", "cuda_runtime", 8, 1.9, tid=2),  # another thread's is not inside
+    ]
+    traces.write(tmp_path / "trace_rank0.json", events, 0)
+    (b,) = analyze([tmp_path / "trace_rank0.json"])
+    assert b.source == "GPU kernels"
+    assert b.host_syncs == 2 and b.host_sync_ms == pytest.approx(1 + 1.9)
 
 
 def test_a_cpu_host_trace_alone_uses_its_lanes(tmp_path, traces):
