@@ -10,7 +10,8 @@ threshold, so it does not depend on the model's size:
    (`.item()`, `cuda*Synchronize`). On the emulated cluster compute is synchronous, so a sync costs
    nothing there: this one shows on GPUs only;
 3. **straggler**: one rank computes at least `STRAGGLER_RATIO` times the others' median while they wait
-   for it at least `WAIT_SHARE` of the step, and it waits less than half as much as they do;
+   for it at least `WAIT_SHARE` of the step, and it waits less than half as much as they do (on GPU traces
+   the wait is inside the NCCL kernels: `_waited_ms`);
 4. **small collectives**: at least `MANY_COLLECTIVES` collectives per step, at least `EXPOSED_SHARE` of
    them run with no compute beside them (on GPU and host traces, which do not say: at most `SMALL_BYTES`
    each on average), with the ranks blocked at least `WAIT_SHARE` of the step: the per-tensor
@@ -95,6 +96,20 @@ def _check_host_sync(b: list[RankBreakdown]) -> Diagnosis | None:
     )
 
 
+def _waited_ms(r: RankBreakdown, b: list[RankBreakdown]) -> float:
+    """How long `r` waited for the other ranks per step.
+
+    On GPU traces a rank that arrives early at a collective waits inside the NCCL kernel: the kernels of one
+    collective start when each rank issues them and end together, once the last rank has joined (as
+    AMD-AGI/TraceLens#22 describes them), so the wait shows as communication, not as idle time. The part of a
+    rank's exposed communication beyond the least any rank had (the transfer itself) is then waiting too:
+    DeepSpeed's comms logger calls the same difference the straggler effect (deepspeedai/DeepSpeed#3579).
+    The emulated device timeline and CPU traces show the wait itself."""
+    if r.source != "GPU kernels":
+        return r.wait_ms
+    return r.wait_ms + r.exposed_comm_ms - min(x.exposed_comm_ms for x in b)
+
+
 def _check_straggler(b: list[RankBreakdown]) -> Diagnosis | None:
     if len(b) < 2:
         return None
@@ -102,8 +117,8 @@ def _check_straggler(b: list[RankBreakdown]) -> Diagnosis | None:
     others = [r for r in b if r.rank != slow.rank]
     typical = statistics.median(r.compute_ms + r.data_ms for r in others)
     ratio = (slow.compute_ms + slow.data_ms) / typical if typical > 0 else float("inf")
-    waited = statistics.median(r.wait_ms / r.step_ms for r in others)
-    own_wait = slow.wait_ms / slow.step_ms
+    waited = statistics.median(_waited_ms(r, b) / r.step_ms for r in others)
+    own_wait = _waited_ms(slow, b) / slow.step_ms
     # the others wait for it, and it waits much less than they do (a collective every rank waits on is not it)
     if ratio < STRAGGLER_RATIO or waited < WAIT_SHARE or own_wait > waited / 2:
         return None

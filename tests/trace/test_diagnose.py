@@ -63,3 +63,18 @@ def test_findings_list_every_rule_that_fires_and_diagnose_picks_one(tmp_path, tr
     kinds = [f.kind for f in findings(tmp_path)]
     assert {"data_loading", "small_collectives"} <= set(kinds)
     assert diagnose(tmp_path).kind == kinds[0]
+
+
+def test_diagnose_a_straggler_on_gpu_traces_where_the_wait_is_inside_the_nccl_kernel(tmp_path, traces):
+    # rank 0 computes 4 ms and enters the all-reduce, whose kernel spins until rank 1 joins at 9 ms: its
+    # wait shows as 6 ms of NCCL kernel, not as idle time; rank 1's kernel (the transfer itself) takes 1 ms
+    for r, compute in ((0, 4), (1, 9)):
+        events = [
+            traces.step(),
+            traces.x("sm90_gemm", "kernel", 0, compute, tid=7),
+            traces.x("ncclDevKernel_AllReduce_Sum_f32", "kernel", compute, 10 - compute, tid=8),
+        ]
+        traces.write(tmp_path / f"trace_rank{r}.json", events, r)
+    d = diagnose(tmp_path)
+    assert (d.kind, d.rank) == ("straggler", 1), str(d)
+    assert "2.25x" in d.evidence and "they wait 50 %" in d.evidence
