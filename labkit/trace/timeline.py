@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 # The span around `capture`'s own wait for a step's kernels (so that they end inside its ProfilerStep#N): the
-# cudaDeviceSynchronize inside it is the profiler's doing, not a host sync of the job (`analyze` leaves it out).
+# cudaDeviceSynchronize inside it is capture's doing, not a host sync of the job (`analyze` leaves it out).
 STEP_END_SYNC = "labkit:step_end_sync"
 
 Interval = tuple[float, float]
