@@ -9,12 +9,17 @@ ProcessGroupNCCL, see "PYTORCH ProcessGroupNCCL Environment Variables" and the F
 * `TORCH_NCCL_TRACE_BUFFER_SIZE` (newer releases also read `TORCH_FR_BUFFER_SIZE`): collectives kept in a
   ring;
 * `TORCH_NCCL_DUMP_ON_TIMEOUT=1`: when the watchdog times a collective out, each rank writes its ring to
-* `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` + its rank (here `<launch dir>/nccl_trace_rank_<r>`), a pickled dict whose
-  `entries` hold, per collective, `collective_seq_id`, `profiling_name` ("nccl:all_reduce"), `state`
-  ("scheduled", "started" or "completed"), `input_sizes` and `input_dtypes`.
+* `TORCH_FR_DUMP_TEMP_FILE` + its rank (here `<launch dir>/nccl_trace_rank_<r>`; the older name
+  `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` is read only when the new one is unset, so both are set), a pickled dict
+  whose `entries` hold, per operation in the order issued (`record_id`), its `process_group` (name, desc),
+  `collective_seq_id` (0 for point-to-point), `p2p_seq_id` (0 for collectives), `profiling_name`
+  ("nccl:all_reduce", "nccl:send 0->1"), `state` ("scheduled", "started" or "completed"), `input_sizes` and
+  `input_dtypes`. Each process group, and within it collectives and point-to-point ops, count on their own
+  (torch/distributed/flight_recorder/components/types.py matches them so).
 
 `read_collective_records(run_dir, world_size)` gives each dumped rank's record in `diagnose_hang`'s shape: the
-collectives counted, the last one, the first one not completed, and the status.
+first operation not completed (with its group), the operations of that group and kind counted, the last one,
+and the status.
 
 Under torchrun nothing is left to read the dumps once the watchdog has ended the ranks, so `labkit.torchrun`
 points them at `./nccl_dumps/` (unless the variables are set already) and, after the job, a person runs
@@ -32,46 +37,87 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DUMP_PREFIX", "env_for", "main", "read_collective_records", "record_of", "wait_for_dumps"]
+__all__ = [
+    "DUMP_PREFIX",
+    "DUMP_VARS",
+    "dump_prefix",
+    "env_for",
+    "main",
+    "read_collective_records",
+    "record_of",
+    "wait_for_dumps",
+]
 
 DUMP_PREFIX = "nccl_trace_rank_"
 _ENTRIES = 2000  # collectives kept per rank: a few steps of a lab, a few MB at most
+# Where the dumps go: the first one set wins (FlightRecorder.cpp, DebugInfoWriter::getWriter)
+DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
 def env_for(run_dir: str | Path) -> dict[str, str]:
     """The flight recorder's variables for the ranks of one launch, dumping into `run_dir`."""
+    prefix = str(Path(run_dir) / DUMP_PREFIX)
     return {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(_ENTRIES),
         "TORCH_FR_BUFFER_SIZE": str(_ENTRIES),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir) / DUMP_PREFIX),
+        **{var: prefix for var in DUMP_VARS},
     }
 
 
+def dump_prefix(environ: dict[str, str]) -> str | None:
+    """The prefix the dumps will be written to under `environ` (None when neither variable is set)."""
+    return next((environ[v] for v in DUMP_VARS if environ.get(v)), None)
+
+
+def _is_p2p(entry: dict[str, Any]) -> bool:
+    return not entry.get("collective_seq_id") and bool(entry.get("p2p_seq_id"))
+
+
+def _seq(entry: dict[str, Any]) -> int:
+    return int(entry.get("p2p_seq_id" if _is_p2p(entry) else "collective_seq_id") or 0)
+
+
+def _group(entry: dict[str, Any]) -> tuple[str, str]:
+    """(name, description) of the entry's process group; the default group is named "0"."""
+    pg = entry.get("process_group") or ("0", "default_pg")
+    return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+
+
 def _op(entry: dict[str, Any]) -> dict[str, Any]:
-    name = str(entry.get("profiling_name", "?"))
-    op = name.split(":", 1)[-1].split(" ", 1)[
-        0
-    ]  # "nccl:all_reduce" -> "all_reduce"; "nccl:send 1->2" -> "send"
+    words = str(entry.get("profiling_name", "?")).split(":", 1)[-1].split(" ")
+    op = words[0]  # "nccl:all_reduce" -> "all_reduce"; "nccl:send 0->1" -> "send"
+    peer = None
+    if _is_p2p(entry) and len(words) > 1 and "->" in words[1]:
+        src, dst = words[1].split("->", 1)
+        peer = dst if op == "send" else src
     dtypes = entry.get("input_dtypes") or [""]
+    name, desc = _group(entry)
     return {
-        "seq": int(entry.get("collective_seq_id", 0)),
+        "seq": _seq(entry),
         "op": op,
         "shapes": [list(s) for s in entry.get("input_sizes", [])],
         "dtype": str(dtypes[0]).lower(),
-        "peer": None,
+        "peer": int(peer) if peer is not None and peer.isdigit() else None,
+        "group": None if name == "0" else (desc if desc and desc != "undefined" else f"group {name}"),
     }
 
 
 def record_of(dump: dict[str, Any]) -> dict[str, Any]:
-    """One rank's dump as a collective record: count, last, pending (the first not completed), status."""
-    entries = [e for e in dump.get("entries", []) if e.get("collective_seq_id")]
-    entries.sort(key=lambda e: e["collective_seq_id"])
-    pending = [_op(e) for e in entries if e.get("state") != "completed"]
+    """One rank's dump as a collective record: pending (the first operation issued and not completed), count
+    and last (of that operation's group and kind: collectives or point-to-point), status."""
+    entries = [e for e in dump.get("entries", []) if _seq(e)]
+    entries.sort(key=lambda e: int(e.get("record_id", 0)))  # the order the rank issued them
+    pending = [e for e in entries if e.get("state") != "completed"]
+    anchor = pending[0] if pending else (entries[-1] if entries else None)
+    same = [
+        e for e in entries if anchor and (_group(e)[0], _is_p2p(e)) == (_group(anchor)[0], _is_p2p(anchor))
+    ]
+    done = [e for e in same if e.get("state") == "completed"]
     return {
-        "count": entries[-1]["collective_seq_id"] if entries else 0,
-        "last": _op(entries[-1]) if entries else None,
-        "pending": pending[:1],
+        "count": _seq(done[-1]) if done else 0,
+        "last": _op(done[-1]) if done else None,
+        "pending": [_op(e) for e in pending[:1]],
         "status": "running",
     }
 

@@ -76,10 +76,14 @@ def init_torchrun_rank(timeout: timedelta, memory_gib: float | None = None) -> b
     dev = _gpu_device(local_rank, memory_gib)
     # The flight recorder, read at the group's creation: a hang leaves dumps (python -m
     # labkit.flight_recorder)
-    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
-        # the writer opens <prefix><rank>, it makes no folder
-        (Path.cwd() / "nccl_dumps").mkdir(exist_ok=True)
-    for key, value in flight_recorder.env_for(Path.cwd() / "nccl_dumps").items():
+    env = flight_recorder.env_for(Path.cwd() / "nccl_dumps")
+    if flight_recorder.dump_prefix(dict(os.environ)) is None:
+        (Path.cwd() / "nccl_dumps").mkdir(
+            exist_ok=True
+        )  # the writer opens <prefix><rank>, it makes no folder
+    else:  # the user's or the site's own place (either name) is kept: the first one set wins
+        env = {k: v for k, v in env.items() if k not in flight_recorder.DUMP_VARS}
+    for key, value in env.items():
         os.environ.setdefault(key, value)
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=dev)
     return True

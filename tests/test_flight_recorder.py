@@ -51,7 +51,19 @@ def test_a_mismatched_shape_is_a_mismatch(tmp_path):
 def test_the_ranks_are_told_where_to_dump(tmp_path):
     env = flight_recorder.env_for(tmp_path)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    # the newer name wins when both are set (FlightRecorder.cpp): both point at the launch's folder
+    assert (
+        env["TORCH_FR_DUMP_TEMP_FILE"]
+        == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+        == str(tmp_path / "nccl_trace_rank_")
+    )
+    assert (
+        flight_recorder.dump_prefix(
+            {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/a_", "TORCH_FR_DUMP_TEMP_FILE": "/b_"}
+        )
+        == "/b_"
+    )
+    assert flight_recorder.dump_prefix({}) is None
     (tmp_path / "nccl_trace_rank_0").write_bytes(b"torn")  # a dump cut short is skipped, not an error
     assert flight_recorder.read_collective_records(tmp_path, 1) == {}
 
@@ -78,3 +90,61 @@ def test_after_a_torchrun_job_hung_the_dumps_are_read_from_the_command_line(tmp_
     )
     assert flight_recorder.main([str(tmp_path / "none"), "--world-size", "2"]) == 1
     assert "no readable dump" in capsys.readouterr().out
+
+
+def _op_entry(record_id, seq, state, name, group=("0", "default_pg"), p2p=0, size=(1024,)) -> dict:
+    entry = _entry(seq, state, name, size) | {"record_id": record_id, "process_group": group}
+    return entry | ({"collective_seq_id": 0, "p2p_seq_id": p2p} if p2p else {})
+
+
+def test_each_group_and_point_to_point_count_on_their_own(tmp_path):
+    # Lab 01's layouts: a tensor-parallel subgroup's all-reduces and the default group's count separately;
+    # a pipeline's sends and receives carry p2p_seq_id with collective_seq_id 0. Rank 0 hangs in its
+    # subgroup's all_reduce #3 (the default group is at #1); rank 1, in the same subgroup, called only two.
+    tp = ("3", "tp_group")
+    _dump(
+        tmp_path,
+        0,
+        [
+            _op_entry(1, 1, "completed", "nccl:all_reduce"),
+            _op_entry(2, 1, "completed", "nccl:all_reduce", tp),
+            _op_entry(3, 2, "completed", "nccl:all_reduce", tp),
+            _op_entry(4, 3, "started", "nccl:all_reduce", tp),
+        ],
+    )
+    _dump(
+        tmp_path,
+        1,
+        [_op_entry(1, 1, "completed", "nccl:all_reduce")]
+        + [_op_entry(1 + i, i, "completed", "nccl:all_reduce", tp) for i in (1, 2)],
+    )
+    records = flight_recorder.read_collective_records(tmp_path, 2)
+    assert records[0]["pending"][0] | {"shapes": None} == {
+        "seq": 3,
+        "op": "all_reduce",
+        "shapes": None,
+        "dtype": "float",
+        "peer": None,
+        "group": "tp_group",
+    }
+    assert records[1]["count"] == 2 and records[1]["last"]["group"] == "tp_group"
+    text, culprit = diagnose_hang(records, 2)
+    assert "all_reduce #3 (float[1024]) in tp_group on rank 0 never completed" in text
+    assert "rank 1 is missing" in text and culprit == 1
+
+
+def test_a_pipeline_send_without_its_receive_is_named_with_its_peer(tmp_path):
+    _dump(
+        tmp_path,
+        0,
+        [
+            _op_entry(1, 0, "completed", "nccl:send 0->1", p2p=1),
+            _op_entry(2, 0, "started", "nccl:send 0->1", p2p=2),
+        ],
+    )
+    _dump(tmp_path, 1, [_op_entry(1, 0, "completed", "nccl:recv 0->1", p2p=1)])
+    records = flight_recorder.read_collective_records(tmp_path, 2)
+    assert records[0]["pending"][0]["op"] == "send" and records[0]["pending"][0]["peer"] == 1
+    text, culprit = diagnose_hang(records, 2)
+    assert "send #2 to rank 1 (float[1024]) on rank 0 never completed" in text
+    assert "last: recv #1 from rank 0" in text and culprit == 1

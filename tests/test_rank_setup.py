@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import Cluster, device_memory, launch, rank_setup
+from labkit import Cluster, device_memory, flight_recorder, launch, rank_setup
 from labkit.cluster import GPU
 from labkit.links import Link
 
 FLIGHT_RECORDER_VARS = (
+    "TORCH_FR_DUMP_TEMP_FILE",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
     "TORCH_NCCL_DUMP_ON_TIMEOUT",
     "TORCH_NCCL_TRACE_BUFFER_SIZE",
@@ -45,7 +46,7 @@ def one_gpu(monkeypatch, tmp_path) -> dict:
         calls["order"].append("group")
         calls.update(
             backend=backend,
-            dump=os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+            dump=flight_recorder.dump_prefix(dict(os.environ)),
             on_timeout=os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT"),
             **kw,
         )
@@ -92,9 +93,13 @@ def test_torchrun_ranks_on_gpus_get_the_flight_recorder(one_gpu, monkeypatch, tm
     rank_setup.init_torchrun_rank(timedelta(seconds=5))
     assert (calls["dump"], calls["on_timeout"]) == (str(tmp_path / "nccl_dumps" / "nccl_trace_rank_"), "1")
     assert (tmp_path / "nccl_dumps").is_dir()
-    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/shared/mine_")
-    rank_setup.init_torchrun_rank(timedelta(seconds=5))
-    assert calls["dump"] == "/shared/mine_"
+    for name in flight_recorder.DUMP_VARS:  # a user's own place under either name is kept
+        for var in flight_recorder.DUMP_VARS:
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(name, "/shared/mine_")
+        rank_setup.init_torchrun_rank(timedelta(seconds=5))
+        assert calls["dump"] == "/shared/mine_", name
+        assert [v for v in flight_recorder.DUMP_VARS if os.environ.get(v)] == [name]
 
 
 def test_a_torchrun_rank_without_cuda_gets_gloo_and_an_existing_group_is_kept(monkeypatch):

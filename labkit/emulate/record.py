@@ -110,7 +110,9 @@ def _fmt_op(e: dict | None) -> str:
     if not e:
         return "no collective"
     shapes = ", ".join("x".join(str(d) for d in s) or "scalar" for s in e.get("shapes", []))
-    return f"{e['op']} #{e['seq']} ({e.get('dtype', '')}[{shapes}])"
+    peer = "" if e.get("peer") is None else f" {'to' if e['op'] == 'send' else 'from'} rank {e['peer']}"
+    group = f" in {e['group']}" if e.get("group") else ""  # the flight recorder's subgroups
+    return f"{e['op']} #{e['seq']}{peer} ({e.get('dtype', '')}[{shapes}]){group}"
 
 
 _STATUS_WORDS = {"returned": "returned from fn", "raised": "raised", "running": "was running elsewhere"}
@@ -143,6 +145,7 @@ def diagnose_hang(records: dict[int, dict], world_size: int) -> tuple[str, int |
             culprit = r if culprit is None else culprit
         elif (
             other["seq"] != op["seq"]
+            or other.get("group") != op.get("group")
             or other["op"] != op["op"]
             or other["shapes"] != op["shapes"]
             or other["dtype"] != op["dtype"]
