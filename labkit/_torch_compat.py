@@ -34,6 +34,7 @@ __all__ = [
     "TorchDispatchMode",
     "allgather_base",
     "backend_registered",
+    "default_store",
     "dispatch_mode_stack",
     "fake_tensor_mode",
     "graph_task_id",
@@ -122,6 +123,12 @@ INTERNALS: tuple[Internal, ...] = (
         "register_multi_grad_hook",
         "measure.measure: remove the hooks ModTracker leaves on module inputs (they leak)",
         ("tensors", "fn"),
+    ),
+    Internal(
+        "torch.distributed.distributed_c10d",
+        "_get_default_store",
+        "torchrun.run: ranks report their outcome through the rendezvous store, which a peer blocked in a "
+        "collective cannot hold up",
     ),
     Internal(
         "torch.distributed.distributed_c10d",
@@ -299,6 +306,11 @@ def queue_backward_callback(fn: Any) -> None:
 def backend_registered(name: str) -> bool:
     """Whether a third-party backend of this name is registered with torch.distributed."""
     return name.upper() in dist.Backend._plugins
+
+
+def default_store() -> dist.Store:
+    """The store of the default process group (under torchrun: its rendezvous store, behind a prefix)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def process_groups() -> list[dist.ProcessGroup]:

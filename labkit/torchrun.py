@@ -9,8 +9,10 @@ torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
 * a `cluster=` it cannot honour is refused: the emulated cluster (links, virtual clock, memory budget)
   exists only for ranks that `launch` starts itself; a GPU cluster's `memory_gib` is applied as a memory
   fraction above the warm process's baseline (`labkit.rank_setup`), as `launch` does;
-* a rank that raises still joins the gather, so every rank raises one `RankError` naming it at once, instead
-  of the others waiting for a collective until the NCCL watchdog ends them;
+* every rank reports its outcome (its result or its error) through the rendezvous store, not a collective, so
+  every rank that can raises one `RankError` naming the first rank that raised within seconds; a peer
+  blocked in an NCCL operation the failed rank never issued cannot hold the report up until the watchdog
+  (the failed rank exits, and torchrun's agent stops the rest);
 * NCCL's flight recorder dumps into `./nccl_dumps/` when a collective times out (unless its variables are
   set): `python -m labkit.flight_recorder nccl_dumps --world-size N` names the operation and the rank
   afterwards;
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,11 +35,14 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from labkit import rank_setup
+from labkit import _torch_compat, rank_setup
 from labkit.errors import RankError
 from labkit.worker import to_cpu
 
 __all__ = ["check_cluster", "external_ranks", "leave", "run", "under_torchrun"]
+
+_GRACE_S = 3.0  # once a rank has failed, how long the others get to report theirs
+_POLL_S = 0.02
 
 
 def under_torchrun() -> bool:
@@ -98,11 +105,12 @@ def run(
     try:
         outcome: tuple[bool, Any] = (True, to_cpu(fn(*args, **kwargs)))
         error = None
-    except Exception as exc:  # join the gather anyway: the other ranks learn of it now, not at a timeout
+    except Exception as exc:  # report it anyway: the other ranks learn of it now, not at a timeout
         outcome, error = (False, (type(exc).__name__, str(exc), traceback.format_exc())), exc
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, outcome)
-    failed = [(rank, info) for rank, (ok, info) in enumerate(gathered) if not ok]
+    gathered = _exchange(
+        _torch_compat.default_store(), dist.get_rank(), dist.get_world_size(), outcome, timeout_s
+    )
+    failed = [(rank, got[1]) for rank, got in enumerate(gathered) if got is not None and not got[0]]
     if failed:
         rank, (name, message, remote) = failed[0]
         raise RankError(
@@ -112,7 +120,46 @@ def run(
             exc_type=name,
             remote_traceback=remote,
         ) from error
-    return [value for _, value in gathered]
+    missing = [rank for rank, got in enumerate(gathered) if got is None]
+    if missing:
+        raise RankError(
+            f"rank(s) {missing} did not return from this launch within {timeout_s:g} s (timeout_s): "
+            "blocked in a collective, or still computing. NCCL's flight recorder names the collective "
+            "(python -m labkit.flight_recorder nccl_dumps --world-size N)",
+            rank=missing[0],
+            kind="hung",
+        ) from error
+    return [got[1] for got in gathered if got is not None]
+
+
+def _exchange(
+    store: dist.Store, rank: int, world_size: int, outcome: tuple[bool, Any], timeout_s: float
+) -> list[tuple[bool, Any] | None]:
+    """Every rank's outcome of this launch, through the rendezvous store: None for a rank that gave none.
+
+    Not a collective: a rank that raised may have left a peer blocked in an NCCL operation it never issued,
+    and a gather behind it would wait for the watchdog. Once any rank has failed, the others get `_GRACE_S`
+    to report (so every rank names the same first failure) and then the launch ends; a successful launch
+    waits up to `timeout_s` for the slowest rank. Each rank counts its launches, in the same order on every
+    rank, so a script's next launch reads fresh keys."""
+    n = store.add(f"labkit/launches/rank{rank}", 1)
+    keys = [f"labkit/launch{n}/rank{r}" for r in range(world_size)]
+    store.set(keys[rank], pickle.dumps(outcome))
+    got: list[tuple[bool, Any] | None] = [None] * world_size
+    got[rank] = outcome
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for r in range(world_size):
+            if got[r] is None and store.check([keys[r]]):
+                got[r] = pickle.loads(store.get(keys[r]))
+        failed = any(g is not None and not g[0] for g in got)
+        if all(g is not None for g in got):
+            return got
+        if failed:
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if time.monotonic() >= deadline:
+            return got
+        time.sleep(_POLL_S)
 
 
 def _destroy() -> None:

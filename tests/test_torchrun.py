@@ -68,6 +68,45 @@ def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
     # timeout, its error would be that timeout's, not a RankError naming rank 1's ValueError
 
 
+def test_a_raise_under_torchrun_is_reported_while_a_peer_is_blocked_in_a_collective(tmp_path):
+    # rank 0 raises before the all-reduce that rank 1 waits in: a gather behind it would wait for the
+    # collective's 90 s timeout (the NCCL watchdog's on GPUs). Through the store rank 0 reports at once,
+    # exits 2, and torchrun's agent stops rank 1: the run ends well inside subprocess.run's 60 s.
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, torch, torch.distributed as dist
+            import labkit
+            from labkit import torchrun
+
+            def fn():
+                if dist.get_rank() == 0:
+                    raise ValueError("boom before the all-reduce")
+                dist.all_reduce(torch.ones(1))  # never joined by rank 0
+                return 1
+
+            if __name__ == "__main__":
+                try:
+                    labkit.launch(fn, world_size=2, timeout_s=90)
+                except labkit.RankError as err:
+                    os.write(1, f"RANKERROR on {dist.get_rank()}: {str(err).splitlines()[0]}\\n".encode())
+                    torchrun.leave(2)
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "RANKERROR on 0: rank 0 raised ValueError: boom before the all-reduce" in proc.stdout, proc.stderr[
+        -3000:
+    ]
+
+
 def test_an_emulated_cluster_is_refused_under_torchrun():
     from labkit import Cluster
 
