@@ -205,7 +205,22 @@ def test_the_gpu_workflow_is_nightly_label_gated_and_never_runs_untrusted_code()
     )
     job = wf["jobs"]["labs"]
     assert {"self-hosted", "gpu"} <= set(job["runs-on"])
-    assert "run-gpu" in job["if"] and "github.event_name != 'pull_request'" in job["if"]
+    # on a pull request only on the label's own event (a new commit pushed after it does not run), and the
+    # commit checked out is the labelled one
+    assert (
+        "github.event.label.name == 'run-gpu'" in job["if"]
+        and "github.event.action == 'labeled'" in job["if"]
+    )
+    assert "github.event_name != 'pull_request'" in job["if"] and wf["on"]["pull_request"]["types"] == [
+        "labeled",
+        "synchronize",
+    ]
+    checkout = next(s for s in job["steps"] if "actions/checkout" in s.get("uses", ""))
+    assert "github.event.pull_request.head.sha" in checkout["with"]["ref"]
+    unlabel = wf["jobs"]["unlabel"]
+    assert "synchronize" in unlabel["if"] and "--remove-label run-gpu" in unlabel["steps"][0]["run"]
+    assert not any("checkout" in s.get("uses", "") for s in unlabel["steps"])
     runs = " ".join(step.get("run", "") for step in job["steps"])
-    assert "nvidia-smi" in runs and "labkit doctor" in runs and "labkit run --cluster gpu" in runs
+    # what fits the runner: NCCL where it has a GPU per rank, the emulated cluster (said so) elsewhere
+    assert "nvidia-smi" in runs and "labkit doctor" in runs and "labkit run --cluster auto" in runs
     assert "tests/gpu_check.sh" in runs and any("upload-artifact" in s.get("uses", "") for s in job["steps"])
