@@ -34,6 +34,7 @@ __all__ = [
     "TorchDispatchMode",
     "allgather_base",
     "backend_registered",
+    "cuda_spin",
     "default_store",
     "dispatch_mode_stack",
     "fake_tensor_mode",
@@ -123,6 +124,12 @@ INTERNALS: tuple[Internal, ...] = (
         "register_multi_grad_hook",
         "measure.measure: remove the hooks ModTracker leaves on module inputs (they leak)",
         ("tensors", "fn"),
+    ),
+    Internal(
+        "torch.cuda",
+        "_sleep",
+        "bandwidth: keep the GPU busy while the host enqueues the timed collectives",
+        ("cycles",),
     ),
     Internal(
         "torch.distributed.distributed_c10d",
@@ -306,6 +313,12 @@ def queue_backward_callback(fn: Any) -> None:
 def backend_registered(name: str) -> bool:
     """Whether a third-party backend of this name is registered with torch.distributed."""
     return name.upper() in dist.Backend._plugins
+
+
+def cuda_spin(seconds: float, cycles_per_s: float = 2.0e9) -> None:
+    """Enqueue a kernel that keeps the current GPU stream busy for at least `seconds` (it spins `cycles`
+    clock cycles: at 2 GHz, above an H100's or H200's boost clock, so a slower clock only spins longer)."""
+    torch.cuda._sleep(int(seconds * cycles_per_s))
 
 
 def default_store() -> dist.Store:

@@ -14,10 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit import runtime, timer, validate
+from labkit import _torch_compat, runtime, timer, validate
 from labkit.links import bus_bandwidth_factor
 
 __all__ = ["bandwidth_test"]
+
+# What the host needs to enqueue one collective through c10d (its Python call, ProcessGroupNCCL's
+# bookkeeping, the kernel launch): tens of microseconds; 100 us is a generous bound.
+ENQUEUE_S = 100e-6
 
 
 def _start(
@@ -44,7 +48,13 @@ def _run(
     span is read from CUDA events on the current stream: ProcessGroupNCCL makes its stream wait
     for the current one when a collective starts, and `work.wait()` makes the current stream wait
     for the collective's end, so the two events bracket the K collectives on the device.
+    An idle GPU would record the start event at once and then wait for the host to enqueue
+    each collective, so that up to ~64 KiB the figure would be c10d's per-call overhead, not
+    NCCL's latency. A spin kernel queued first keeps the stream busy while the host enqueues
+    all K (`ENQUEUE_S` each): the start event then fires with the collectives already queued.
     """
+    if runtime.on_gpu():
+        _torch_compat.cuda_spin(1e-3 + count * ENQUEUE_S)
     with timer.Span() as span:  # CUDA events on a GPU, clock() readings elsewhere
         works = [_start(op, full, shard, src, group) for _ in range(count)]
         for work in works:
