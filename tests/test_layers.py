@@ -17,7 +17,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The formulas: run nothing, so they need no process group (the .importlinter contract "formulas").
-FORMULAS = ["memory", "activations", "links", "batch", "schedules", "pipeline_plan", "planner", "layout"]
+FORMULAS = [
+    "memory",
+    "activations",
+    "links",
+    "batch",
+    "schedules",
+    "pipeline_plan",
+    "planner",
+    "layout",
+    "forecast",
+]
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, list[str]]]:

@@ -131,6 +131,9 @@ class LabParams:
     TEST: ClassVar[Mapping[str, Any]] = {}  # the solution notebook's test run (small; the lesson still shows)
     SMOKE: ClassVar[Mapping[str, Any]] = {}  # the script's test runs under torchrun (tiny; any world size)
     GPT_FIXED: ClassVar[Mapping[str, Any]] = {}  # GPTConfig fields the lab fixes instead of taking them
+    # On GPUs, the values that make the lesson show there (chosen on paper with `labkit.forecast`), for the
+    # fields left at their emulated-cluster default; `gpu_sized` applies them
+    GPU_SIZES: ClassVar[Mapping[str, Any]] = {}
 
     # ----------------------------------------------------------------- checks
 
@@ -244,8 +247,17 @@ class LabParams:
 
     def resolve(self: P, *, on_gpu: bool = False) -> P:
         """Fill in the defaults that depend on the ranks (and on whether they are GPUs); check what needs
-        them. Labs with such defaults override it; it returns `self` unchanged here."""
-        return self
+        them. Labs with such defaults override it; here: the GPU sizes on GPUs (`gpu_sized`)."""
+        return self.gpu_sized(on_gpu)
+
+    def gpu_sized(self: P, on_gpu: bool) -> P:
+        """On GPUs, `GPU_SIZES` for every field still at its default (a value the user set is kept, unless it
+        equals the emulated default); elsewhere `self`."""
+        if not on_gpu or not self.GPU_SIZES:
+            return self
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        sized = {k: v for k, v in self.GPU_SIZES.items() if getattr(self, k) == defaults[k]}
+        return dataclasses.replace(self, **sized)
 
     def config(self) -> GPTConfig:
         """The lab's GPT (labs that train one): the GPTConfig fields among its parameters, then GPT_FIXED."""

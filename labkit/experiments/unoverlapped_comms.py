@@ -348,6 +348,19 @@ class Params(LabParams):
     trace_dir: str = param("traces_03", "the folder of the traces (replaced on each run)")
 
     GPT_FIXED = {"n_heads": 4, "vocab_size": 256}
+    # fp32 on a GPU node: 256 tokens per rank against 400 M parameters' gradients, so that all-reducing
+    # them costs about as much as the step's compute on NVLink (labkit.forecast.overlap_forecast and
+    # tests/test_forecast.py: on a DGX H100, after/before 0.74 on 2 ranks, 0.53 on 8). The emulated sizes
+    # (d_model 128, 12 x 64 tokens) would be launch-bound there, and the old suggestion (d_model 1024,
+    # 8 x 512 tokens) 86 ms of compute against 5 ms of bucketed all-reduce
+    GPU_SIZES = {
+        "d_model": 2048,
+        "n_layers": 8,
+        "seq_len": 128,
+        "micro_batch": 2,
+        "bucket_cap_mb": 25.0,
+        "sweep_caps_mb": [1e-6, 25.0, 100.0, 400.0],
+    }
     LAB = "03_unoverlapped_comms"
     TEST = {"cluster": "cpu"}
     SMOKE = {"n_layers": 2, "d_model": 32, "seq_len": 16, "micro_batch": 4, "steps": 2}

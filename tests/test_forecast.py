@@ -1,0 +1,77 @@
+"""labkit.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults.
+
+The course's targets (after/before <= 0.8, after/limit <= 1.25) are asserted on the forecast of lab 03's GPU
+sizes on a DGX H100 (one node: two ranks and all eight), and the review's finding is pinned: at the sizes the
+notebook used to suggest for GPUs, fp32 compute (~80 ms) dwarfs NVLink's all-reduce (~2-3 ms), and nothing
+shows. No GPU is needed: the numbers come from the FLOP count, the datasheet rates and the link model."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import Cluster
+from labkit.experiments.unoverlapped_comms import Params as Lab03
+from labkit.forecast import (
+    Forecast,
+    bucket_sizes,
+    fp32_flops_per_s,
+    lesson_shows,
+    overlap_forecast,
+    verdict,
+)
+from labkit.links import collective_time_s
+from labkit.models import GPTConfig
+
+DGX = Cluster.preset("dgx-h100")
+
+
+def _lab03(p: Lab03, ranks: int) -> Forecast:
+    rate = fp32_flops_per_s(DGX.gpu_name)
+    return overlap_forecast(
+        p.config(),
+        p.micro_batch,
+        ranks,
+        DGX.intra_node,
+        rate,
+        bucket_cap_mb=p.bucket_cap_mb,
+        where="DGX H100",
+    )
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_lab_03s_gpu_defaults_show_the_lesson_on_one_dgx_h100_node(ranks):
+    p = Lab03(world_size=ranks).resolve(on_gpu=True)
+    assert (p.d_model, p.n_layers, p.micro_batch) == (2048, 8, 2)
+    f = _lab03(p, ranks)
+    assert f.shows(), str(f)
+    assert f.after / f.before <= 0.8 and f.after / f.limit <= 1.25
+    # communication is a real share of the step, not a rounding error
+    assert f.terms["per-tensor all-reduces"] >= 0.3 * f.terms["compute"], str(f)
+
+
+def test_the_old_gpu_suggestion_and_the_emulated_sizes_are_what_the_review_found():
+    old = GPTConfig(n_layers=12, d_model=1024, n_heads=4, vocab_size=256, seq_len=512)
+    f = overlap_forecast(old, 8, 8, DGX.intra_node, fp32_flops_per_s(DGX.gpu_name), bucket_cap_mb=25)
+    assert not f.shows() and f.terms["compute"] > 60, str(f)  # ~86 ms of fp32 compute
+    (buckets,) = [k for k in f.terms if k.endswith("buckets")]
+    assert f.terms[buckets] < 0.1 * f.terms["compute"], str(f)  # against ~5 ms of bucketed all-reduce
+    # off GPUs the emulated defaults stay: GPU sizes only where the ranks are GPUs
+    assert Lab03().resolve(on_gpu=False).d_model == 128
+    # a value the user set is kept on GPUs
+    assert Lab03(d_model=512).resolve(on_gpu=True).d_model == 512
+
+
+def test_the_pieces_of_the_forecast():
+    # DDP's buckets: reverse order, filled to the cap, one oversized gradient alone
+    assert bucket_sizes([1, 2, 3, 10], cap_bytes=20, bytes_per_grad=4) == [40, 20, 4]
+    assert fp32_flops_per_s("NVIDIA H100 80GB HBM3") == pytest.approx(67e12 * 0.7)
+    assert fp32_flops_per_s("Tesla T4") is None
+    # a bucket cap below every gradient: one bucket per tensor, the same all-reduces as the per-tensor loop
+    cfg = GPTConfig(n_layers=1, d_model=64, n_heads=4, vocab_size=64, seq_len=16)
+    f = overlap_forecast(cfg, 1, 2, DGX.intra_node, 1e12, bucket_cap_mb=1e-6)
+    (buckets,) = [k for k in f.terms if k.endswith("buckets")]
+    assert f.terms[buckets] == pytest.approx(f.terms["per-tensor all-reduces"])
+    assert collective_time_s("all_reduce", 4, 2, DGX.intra_node) > 0
+    assert lesson_shows(100, 60, 55) and not lesson_shows(100, 90, 85) and not lesson_shows(100, 60, 40)
+    assert verdict(100, 60, 55, "GPU").startswith("check passed: after/before = 0.60")
+    assert "the lesson does not show on this machine" in verdict(100, 95, 90, "GPU")
