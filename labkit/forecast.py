@@ -7,6 +7,12 @@ own models, so that a lab's GPU defaults are chosen on paper and a test can say,
 lesson will show on a `Cluster.preset(...)` node. The notebook still measures; where its measurement misses
 a target it says that the lesson does not show on the machine it ran on (`verdict`).
 
+`pipeline_forecast` is lab 04's (1F1B split by layer count with few micro-batches vs split by cost with the
+micro-batches the bubble target asks for): each layer's cost per micro-batch on paper (the blocks' and the
+head's FLOPs, the cross-entropy's and the embedding gradient's bytes at `HBM_BYTES_PER_S`, each at least its
+host dispatches), a send and a receive of the activations at every stage boundary, and the step from
+`labkit.pipeline_plan` (`pipeline_step_time`, `balance`, `ideal_step_time` for the limit).
+
 `overlap_forecast` is lab 03's (gradient all-reduce after backward vs buckets during backward): compute from
 the model's FLOPs at a stated rate (`labkit.planner.forward_flops_per_token`, backward = 2x forward) with a
 floor of one host dispatch per kernel (eager PyTorch is launch-bound on small layers), communication from the
@@ -23,6 +29,13 @@ import torch
 
 from labkit.links import Link, collective_time_s
 from labkit.models import GPT, GPTConfig
+from labkit.pipeline_plan import (
+    balance,
+    choose_micro_batches,
+    ideal_step_time,
+    pipeline_step_time,
+    stage_costs,
+)
 from labkit.planner import forward_flops_per_token
 
 __all__ = [
@@ -34,6 +47,7 @@ __all__ = [
     "fp32_flops_per_s",
     "lesson_shows",
     "overlap_forecast",
+    "pipeline_forecast",
     "verdict",
 ]
 
@@ -46,6 +60,9 @@ KERNELS_PER_BLOCK = 30
 # Dense FP32 (not tensor-core) peak per GPU, TFLOP/s, from NVIDIA's datasheets: the labs train in fp32 with
 # TF32 off (PyTorch's default for matmuls), so their matmuls run at this rate, not at the 16-bit peak.
 FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5}
+# HBM bandwidth reached by the memory-bound kernels (softmax, the embedding's gradient): below an H100 SXM's
+# 3.35 TB/s and an H200's 4.8 TB/s datasheet figures, an assumption
+HBM_BYTES_PER_S = 3.0e12
 FP32_EFFICIENCY = 0.7  # of that peak on large fp32 matmuls: an assumption, stated where it is used
 
 
@@ -83,7 +100,8 @@ class Forecast:
     after: float
     limit: float
     where: str
-    terms: dict[str, float] = field(default_factory=dict)
+    terms: dict[str, float] = field(default_factory=dict)  # ms
+    note: str = ""
 
     def shows(self) -> bool:
         """Whether the lesson shows: after/before <= 0.8 and after/limit <= 1.25."""
@@ -92,10 +110,11 @@ class Forecast:
     def __str__(self) -> str:
         terms = ", ".join(f"{k} {v:.2f} ms" for k, v in self.terms.items())
         verdict = "shows" if self.shows() else "does not show"
+        note = f"; {self.note}" if self.note else ""
         return (
             f"{self.lab} on {self.where}: before {self.before:.2f} ms, after {self.after:.2f} ms, limit "
             f"{self.limit:.2f} ms (after/before {self.after / self.before:.2f}, after/limit "
-            f"{self.after / self.limit:.2f}): the lesson {verdict} ({terms})"
+            f"{self.after / self.limit:.2f}): the lesson {verdict} ({terms}{note})"
         )
 
 
@@ -158,4 +177,63 @@ def overlap_forecast(
             "per-tensor all-reduces": per_tensor_s * 1e3,
             f"{len(buckets)} buckets": bucketed_s * 1e3,
         },
+    )
+
+
+def _layer_costs_s(config: GPTConfig, tokens: int, flops_per_s: float) -> list[float]:
+    """Forward + backward seconds of each layer (embedding, blocks, head) on a micro-batch of `tokens`."""
+    block_f, head_f = forward_flops_per_token(config)
+    floor = KERNELS_PER_BLOCK * DISPATCH_S
+    embedding_grad = 2 * config.vocab_size * config.d_model * 4 / HBM_BYTES_PER_S  # zeroed, then added into
+    softmax = 4 * tokens * config.vocab_size * 4 / HBM_BYTES_PER_S  # logits written, read, grad out and back
+    block = max(3 * block_f * tokens / flops_per_s, floor)
+    head = max(3 * head_f * tokens / flops_per_s + softmax, floor / 3)
+    return [max(embedding_grad, floor / 10)] + [block] * config.n_layers + [head]
+
+
+def _step_s(
+    config: GPTConfig, sizes: list[int], micro_batches: int, tokens: int, link: Link, flops_per_s: float
+) -> tuple[float, float, list[float]]:
+    """(1F1B step, its balanced limit, per-stage cost) for a split: each stage but the last also sends its
+    activations forward and receives their gradient back."""
+    costs = _layer_costs_s(config, tokens, flops_per_s)
+    hop = 2 * collective_time_s("send", tokens * config.d_model * 4, 2, link)
+    per_stage = [c + (hop if s < len(sizes) - 1 else 0.0) for s, c in enumerate(stage_costs(costs, sizes))]
+    return pipeline_step_time(per_stage, micro_batches), ideal_step_time(per_stage, micro_batches), per_stage
+
+
+def pipeline_forecast(
+    config: GPTConfig,
+    stages: int,
+    global_batch: int,
+    few_micro_batches: int,
+    link: Link,
+    flops_per_s: float,
+    *,
+    max_bubble: float = 0.3,
+    where: str = "",
+) -> Forecast:
+    """Lab 04 on paper: the naive run (layer count, `few_micro_batches`) vs the balanced one (the micro-batch
+    count `choose_micro_batches` picks for `max_bubble`; activation memory is assumed to fit)."""
+    m = choose_micro_batches(stages, global_batch, max_bubble, "1f1b")
+    few_tokens = global_batch // few_micro_batches * config.seq_len
+    tokens = global_batch // m * config.seq_len
+    naive = [config.n_layers // stages + (1 if s < config.n_layers % stages else 0) for s in range(stages)]
+    naive[0] += 1  # the embedding rides with the first stage, the head with the last (parallel.even_split)
+    naive[-1] += 1
+    before_s, _, naive_stages = _step_s(config, naive, few_micro_batches, few_tokens, link, flops_per_s)
+    balanced = balance(_layer_costs_s(config, tokens, flops_per_s), stages)
+    after_s, limit_s, _ = _step_s(config, balanced, m, tokens, link, flops_per_s)
+    imbalance = max(naive_stages) / (sum(naive_stages) / stages)
+    return Forecast(
+        "04_imbalanced_pipeline",
+        before_s * 1e3,
+        after_s * 1e3,
+        limit_s * 1e3,
+        where or f"{stages} stages on {link.name or 'a link'}",
+        {
+            "naive slowest stage": max(naive_stages) * 1e3,
+            "naive mean stage": sum(naive_stages) / stages * 1e3,
+        },
+        f"imbalance x{imbalance:.2f}; {few_micro_batches} -> {m} micro-batches",
     )

@@ -1,4 +1,4 @@
-"""labkit.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults.
+"""labkit.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults (labs 03 and 04).
 
 The course's targets (after/before <= 0.8, after/limit <= 1.25) are asserted on the forecast of lab 03's GPU
 sizes on a DGX H100 (one node: two ranks and all eight), and the review's finding is pinned: at the sizes the
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import Cluster
+from labkit.experiments.imbalanced_pipeline import Params as Lab04
 from labkit.experiments.unoverlapped_comms import Params as Lab03
 from labkit.forecast import (
     Forecast,
@@ -17,6 +18,7 @@ from labkit.forecast import (
     fp32_flops_per_s,
     lesson_shows,
     overlap_forecast,
+    pipeline_forecast,
     verdict,
 )
 from labkit.links import collective_time_s
@@ -75,3 +77,32 @@ def test_the_pieces_of_the_forecast():
     assert lesson_shows(100, 60, 55) and not lesson_shows(100, 90, 85) and not lesson_shows(100, 60, 40)
     assert verdict(100, 60, 55, "GPU").startswith("check passed: after/before = 0.60")
     assert "the lesson does not show on this machine" in verdict(100, 95, 90, "GPU")
+
+
+def _lab04(p: Lab04) -> Forecast:
+    return pipeline_forecast(
+        p.config(),
+        p.stages,
+        p.global_batch,
+        p.few_micro_batches,
+        DGX.intra_node,
+        fp32_flops_per_s(DGX.gpu_name),
+    )
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+def test_lab_04s_gpu_defaults_show_the_imbalance_and_its_fix_on_one_dgx_h100_node(stages):
+    p = Lab04(stages=stages).resolve(on_gpu=True)
+    assert (p.d_model, p.vocab_size, p.few_micro_batches) == (1024, 32768, stages)
+    f = _lab04(p)
+    assert f.shows(), str(f)
+    # the imbalance is there to fix: the naive split's slowest stage well above the mean
+    assert f.terms["naive slowest stage"] >= 1.3 * f.terms["naive mean stage"], str(f)
+
+
+def test_lab_04_at_its_emulated_sizes_inverts_on_a_gpu_and_two_stages_are_too_few():
+    # The review's finding: at d_model 64 every layer is launch-bound on a GPU, so the fix's extra
+    # micro-batches only cost more (after > before); and at the GPU sizes 2 stages show too little
+    f = _lab04(Lab04(stages=4).resolve(on_gpu=False))
+    assert f.after > f.before and not f.shows(), str(f)
+    assert not _lab04(Lab04(stages=2).resolve(on_gpu=True)).shows()
