@@ -38,6 +38,23 @@ def _root(arg: str | None) -> Path:
 # ------------------------------------------------------------------- doctor
 
 
+def _where_labs_run(gpus: int) -> None:
+    """One line per lab: on NCCL when this node has a GPU per rank of its default run, else on the emulated
+    cluster (what cluster='auto' picks), and why."""
+    from labkit.experiments import registry
+
+    print("labs      where each runs here with cluster='auto' (its default ranks):")
+    for name in registry.LABS:
+        ranks = registry.params_of(name)().ranks or 2
+        if gpus >= ranks:
+            where = f"GPUs, {ranks} ranks on NCCL"
+        elif gpus:
+            where = f"emulated cluster: {ranks} ranks, this node has {gpus} GPU (one-rank parts use it)"
+        else:
+            where = f"emulated cluster: {ranks} ranks, no GPU here"
+        print(f"          {name:24} {where}")
+
+
 def _smoke(world_size: int) -> float:
     import torch
     import torch.distributed as dist
@@ -98,7 +115,14 @@ def doctor(args: argparse.Namespace) -> int:
     if not ok:
         print("verdict: NOT READY - the all-reduce returned a wrong sum.")
         return EXIT_FAILED
-    if cluster.is_emulated:
+    _where_labs_run(real.gpu_count)
+    if cluster.is_emulated and real.gpu_count:
+        print(
+            f"verdict: READY (emulated, {real.gpu_count} GPU) - the smoke test's {ranks} ranks need more "
+            "GPUs than this node has, so they ran on the emulated cluster; labs run where the table above says, "
+            "and every emulated number is labelled so."
+        )
+    elif cluster.is_emulated:
         print(
             "verdict: READY (emulated) - no usable GPUs, so labs run on CPU processes with modelled links; "
             "every number they print is labelled emulated."
@@ -313,11 +337,23 @@ _CLUSTER_HELP = (
 def _notebook_options(p: argparse.ArgumentParser, cluster: str, param_help: str) -> None:
     """The options of the commands that execute notebooks (run, grade): the cluster, -p, the cell timeout."""
     p.add_argument("--cluster", default=cluster, choices=["auto", "cpu", "gpu"], help=_CLUSTER_HELP)
-    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                   help=f"{param_help} (JSON value or a bare word), repeatable")
+    p.add_argument(
+        "-p",
+        "--param",
+        nargs=2,
+        action="append",
+        metavar=("KEY", "VALUE"),
+        help=f"{param_help} (JSON value or a bare word), repeatable",
+    )
     # grade called it --timeout before run and grade shared these options: the old name stays.
-    p.add_argument("--cell-timeout", "--timeout", dest="cell_timeout", type=int, default=600,
-                   help="seconds one cell may run")
+    p.add_argument(
+        "--cell-timeout",
+        "--timeout",
+        dest="cell_timeout",
+        type=int,
+        default=600,
+        help="seconds one cell may run",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

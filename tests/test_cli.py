@@ -98,3 +98,21 @@ def test_labkit_run_checks_the_parameters_before_a_kernel_starts(repo, labkit_en
         -2000:
     ]
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_doctor_on_a_node_with_one_gpu_says_which_labs_use_it(capsys, monkeypatch):
+    # One H200: auto runs the two-rank smoke test on the emulated cluster; the verdict must not say "no usable
+    # GPUs", and each lab's line says where it runs and why
+    from labkit.cluster import GPU, Cluster
+    from labkit.links import Link
+
+    one = Cluster(
+        "gpu", 1, 1, Link(450.0, 5.0, "NVLink"), Link(50.0, 5.0, "IB"), gpus=(GPU(0, "NVIDIA H200", 141.0),)
+    )
+    monkeypatch.setattr(Cluster, "detect", classmethod(lambda cls: one))
+    real_resolve = Cluster.resolve.__func__
+    monkeypatch.setattr(Cluster, "resolve", classmethod(lambda cls, spec, n: real_resolve(cls, "cpu", n)))
+    assert main(["doctor", "--cluster", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "no usable GPUs" not in out and "verdict: READY (emulated, 1 GPU)" in out
+    assert "03_unoverlapped_comms" in out and "this node has 1 GPU (one-rank parts use it)" in out
