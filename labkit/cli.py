@@ -119,8 +119,8 @@ def doctor(args: argparse.Namespace) -> int:
     if cluster.is_emulated and real.gpu_count:
         print(
             f"verdict: READY (emulated, {real.gpu_count} GPU) - the smoke test's {ranks} ranks need more "
-            "GPUs than this node has, so they ran on the emulated cluster; labs run where the table above says, "
-            "and every emulated number is labelled so."
+            "GPUs than this node has, so they ran on the emulated cluster; labs run where the table above "
+            "says, and every emulated number is labelled so."
         )
     elif cluster.is_emulated:
         print(
