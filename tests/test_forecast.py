@@ -44,6 +44,7 @@ def _lab03(p: Lab03, ranks: int) -> Forecast:
 def test_lab_03s_gpu_defaults_show_the_lesson_on_one_dgx_h100_node(ranks):
     p = Lab03(world_size=ranks).resolve(on_gpu=True)
     assert (p.d_model, p.n_layers, p.micro_batch) == (2048, 8, 2)
+    assert p.sweep_caps_mb == [1e-6, 25.0, 100.0, 400.0]  # a list field (a default factory) is sized too
     f = _lab03(p, ranks)
     assert f.shows(), str(f)
     assert f.after / f.before <= 0.8 and f.after / f.limit <= 1.25

@@ -255,7 +255,10 @@ class LabParams:
         equals the emulated default); elsewhere `self`."""
         if not on_gpu or not self.GPU_SIZES:
             return self
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        defaults = {
+            f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            for f in dataclasses.fields(self)
+        }
         sized = {k: v for k, v in self.GPU_SIZES.items() if getattr(self, k) == defaults[k]}
         return dataclasses.replace(self, **sized)
 
