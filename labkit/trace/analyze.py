@@ -8,7 +8,7 @@ timeline is closest to the device:
   not wait, communication each collective from issue to completion, phases (`phases.py`) named spans;
 * **GPU kernels** in a host trace: compute is the union of non-NCCL kernels, communication the NCCL
   kernels, so host-side spans that only enqueue work (`backward`, `optimizer.step`) never count as
-  overlap;
+  overlap; each NCCL kernel is one of the step's collectives (`step_collectives`, sizes unknown);
 * **CPU host trace** alone: the lanes of `timeline.step_lanes`.
 
 From the host trace it also takes the operators with the most self time, data loading (PyTorch's
@@ -182,6 +182,34 @@ def _host_syncs(host: Trace | None, lo: float, hi: float) -> list[Interval]:
     return union(_clip(hits, lo, hi))
 
 
+def _collectives(
+    events: list[TraceEvent], compute: list[Interval], lo: float, hi: float, prefix: str = ""
+) -> list[Collective]:
+    """Each collective of a step [lo, hi) (an emulated CommLog span or an NCCL kernel) against the step's
+    compute intervals: how long it ran with nothing computed beside it, the compute before and after it."""
+    waits = subtract([(lo, hi)], compute)
+    out = []
+    for e in sorted(events, key=lambda e: e.start_us):
+        start, end = e.start_us, e.end_us
+        waited = _total([(max(a, start), min(b, end)) for a, b in waits if b > start and a < end])
+        after = _total(subtract(compute, [(lo, end)]))
+        before = _total(subtract(compute, [(start, hi)]))
+        during = _total(compute) - before - after
+        out.append(
+            Collective(
+                e.name.removeprefix(prefix),
+                (start - lo) / 1e3,
+                (end - lo) / 1e3,
+                (e.args or {}).get("bytes"),
+                waited / 1e3,
+                before / 1e3,
+                after / 1e3,
+                during / 1e3,
+            )
+        )
+    return out
+
+
 def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdown:
     """From the emulated device timeline (virtual time), with names from the host trace."""
     rows = []
@@ -193,26 +221,7 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
         waits = subtract([(lo, hi)], compute)
         phases = [e for e in dev.events if e.category == PHASE_CATEGORY and lo <= e.start_us < hi]
         data = union(_clip([e for e in phases if e.name.startswith(DATA_PREFIXES)], lo, hi))
-        colls = []
-        for e in comm_events:
-            waited = _total(
-                [(max(a, e.start_us), min(b, e.end_us)) for a, b in waits if b > e.start_us and a < e.end_us]
-            )
-            after = _total(subtract(compute, [(lo, e.end_us)]))
-            before = _total(subtract(compute, [(e.start_us, hi)]))
-            during = _total(compute) - before - after
-            colls.append(
-                Collective(
-                    e.name.removeprefix("comm:"),
-                    (e.start_us - lo) / 1e3,
-                    (e.end_us - lo) / 1e3,
-                    (e.args or {}).get("bytes"),
-                    waited / 1e3,
-                    before / 1e3,
-                    after / 1e3,
-                    during / 1e3,
-                )
-            )
+        colls = _collectives(comm_events, compute, lo, hi, "comm:")
         host_step = host.steps[i] if host is not None and i < len(host.steps) else None
         syncs = _host_syncs(host, host_step.start_us, host_step.end_us) if host_step else []
         rows.append(
@@ -243,8 +252,12 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
         lanes = step_lanes(host, s.number)  # the device's lanes when there are kernels
         compute = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["compute"]]
         comm = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["comm"]]
-        if kernels:
-            ncoll = len([e for e in kernels if e.lane == "comm" and lo <= e.start_us < hi])
+        colls: list[Collective] = []
+        if kernels:  # NCCL's kernels are the collectives (one per collective, or per group of them)
+            colls = _collectives(
+                [e for e in kernels if e.lane == "comm" and lo <= e.start_us < hi], compute, lo, hi
+            )
+            ncoll = len(colls)
         else:
             comm_events = [
                 e for e in host.lane("comm") if lo <= e.start_us < hi and e.category == COMM_CATEGORY
@@ -265,7 +278,7 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
                 data=_total(data) / 1e3,
                 sync=_total(syncs) / 1e3,
                 nsync=len(syncs),
-                colls=[],
+                colls=colls,
                 ncoll=ncoll,
                 bytes=0,
                 host_step=s,

@@ -13,8 +13,9 @@ threshold, so it does not depend on the model's size:
    for it at least `WAIT_SHARE` of the step, and it waits less than half as much as they do (on GPU traces
    the wait is inside the NCCL kernels: `_waited_ms`);
 4. **small collectives**: at least `MANY_COLLECTIVES` collectives per step, at least `EXPOSED_SHARE` of
-   them run with no compute beside them (on GPU and host traces, which do not say: at most `SMALL_BYTES`
-   each on average), with the ranks blocked at least `WAIT_SHARE` of the step: the per-tensor
+   them run with no compute beside them (the emulated timeline's collectives or a GPU trace's NCCL kernels;
+   on CPU host traces, which do not say: at most `SMALL_BYTES` each on average), with the ranks blocked at
+   least `WAIT_SHARE` of the step (on GPU traces, exposed NCCL kernels count as blocked): the per-tensor
    all-reduce after backward, not DDP's buckets under backward;
 5. **synchronous collective**: a rank blocked at least `WAIT_SHARE` of the step on a few collectives
    issued early in its step (at most `EARLY` of its compute before them, as after forward) with compute
@@ -132,9 +133,15 @@ def _check_straggler(b: list[RankBreakdown]) -> Diagnosis | None:
     )
 
 
+def _blocked_ms(r: RankBreakdown) -> float:
+    """The time `r`'s step ran no compute while its collectives were in flight, or was idle. On GPU traces
+    a rank blocked behind its NCCL kernels shows them as communication, not as idle time."""
+    return r.wait_ms + (r.exposed_comm_ms if r.source == "GPU kernels" else 0.0)
+
+
 def _check_small(b: list[RankBreakdown]) -> Diagnosis | None:
-    r = max(b, key=lambda x: x.wait_ms / x.step_ms)
-    share = r.wait_ms / r.step_ms
+    r = max(b, key=lambda x: _blocked_ms(x) / x.step_ms)
+    share = _blocked_ms(r) / r.step_ms
     if r.collectives < MANY_COLLECTIVES or share < WAIT_SHARE:
         return None
     mean_bytes = r.comm_bytes / r.collectives if r.comm_bytes else None
@@ -151,7 +158,8 @@ def _check_small(b: list[RankBreakdown]) -> Diagnosis | None:
         "small_collectives",
         None,
         f"{r.collectives:.0f} collectives per step{size}, one after another "
-        f"with nothing computed beside them; rank {r.rank} is blocked {r.wait_ms:.1f} ms ({_pct(share)}) "
+        f"with nothing computed beside them; rank {r.rank} is blocked {_blocked_ms(r):.1f} ms "
+        f"({_pct(share)}) "
         "of its step: each pays a fixed cost",
         b,
     )

@@ -78,3 +78,27 @@ def test_diagnose_a_straggler_on_gpu_traces_where_the_wait_is_inside_the_nccl_ke
     d = diagnose(tmp_path)
     assert (d.kind, d.rank) == ("straggler", 1), str(d)
     assert "2.25x" in d.evidence and "they wait 50 %" in d.evidence
+
+
+def test_on_gpu_traces_the_collectives_come_from_nccl_kernels(tmp_path, traces):
+    # The same rules as on the emulated timeline, from the kernels: 20 small all-reduces after backward with
+    # nothing beside them; one all-gather between forward and backward; DDP's buckets under backward
+    nccl = "ncclDevKernel_AllReduce_Sum_f32"
+    shapes = {
+        "small": [("sm90_gemm", 0, 6)] + [(nccl, 6 + 0.2 * i, 0.2) for i in range(20)],
+        "sync": [("sm90_gemm", 0, 3), ("ncclDevKernel_AllGather_RING_LL", 3, 2), ("sm90_gemm", 5, 5)],
+        "buckets": [("sm90_gemm", 0, 10)] + [(nccl, 5 + 0.2 * i, 0.2) for i in range(20)],
+    }
+    for name, kernels in shapes.items():
+        (tmp_path / name).mkdir()
+        for r in (0, 1):
+            events = [traces.step()] + [
+                traces.x(k, "kernel", start, dur, tid=8 if k.startswith("nccl") else 7)
+                for k, start, dur in kernels
+            ]
+            traces.write(tmp_path / name / f"trace_rank{r}.json", events, r)
+    small = diagnose(tmp_path / "small")
+    assert small.kind == "small_collectives" and "20 collectives per step" in small.evidence, str(small)
+    sync = diagnose(tmp_path / "sync")
+    assert sync.kind == "sync_collective" and "AllGather" in sync.evidence, str(sync)
+    assert diagnose(tmp_path / "buckets").kind == "none"
