@@ -35,7 +35,15 @@ from labkit.training.job import TrainingJob
 from labkit.training.reference import rank_rows
 from labkit.training.trainer import Forward, Trainer
 
-__all__ = ["DPResult", "Params", "dp_train", "headline", "max_micro_batch", "rank_micro_batches"]
+__all__ = [
+    "DPResult",
+    "Params",
+    "dp_train",
+    "fixed_micro_batch",
+    "headline",
+    "max_micro_batch",
+    "rank_micro_batches",
+]
 
 _MIB = 2**20
 
@@ -261,7 +269,10 @@ class Params(LabParams):
         strict=True,
     )
     global_batch: int | None = param(
-        None, "sequences per optimizer step, summed over all ranks (None: 32 per rank)", minimum=1, example=64
+        None,
+        "sequences per optimizer step, summed over all ranks (None: 32 per rank, 64 on GPUs)",
+        minimum=1,
+        example=64,
     )
     micro_batch: int = param(4, "sequences per forward/backward in the accumulation exercise", minimum=1)
     n_layers: int = gpt_param("n_layers", 4)
@@ -285,6 +296,16 @@ class Params(LabParams):
         180, "memory for the fragmentation section (its pattern: 160, 8 x 20, then 40 MiB)", minimum=1
     )
 
+    # On a GPU the cap is on what CUDA's caching allocator *reserves*, and it reserves in segments (2 MiB for
+    # blocks up to 1 MiB, 20 MiB for blocks up to 10 MiB: c10/cuda/CUDACachingAllocator.cpp, kSmallBuffer and
+    # kLargeBuffer), so a step of this small model reserves some 16-18 MiB more than it allocates. Replayed
+    # through labkit's model of that allocator (tests/experiments/test_oom_batch_gpu.py): at 28 MiB even the
+    # accumulation exercise (24 MiB allocated, 42 reserved) would run out on a card. 48 MiB is chosen from
+    # that replay, with 64 sequences per rank so that the fix still accumulates: the step as written
+    # allocates 171 MiB (out of memory), the exercise reserves 42 (24 allocated), the fixed step (autocast +
+    # checkpointing, micro-batch 32 x 2) 42 (32 allocated); micro-batch 64 would reserve 78.
+    GPU_SIZES = {"memory_mib": 48.0}
+    GPU_SEQUENCES_PER_RANK = 64
     LAB = "02_oom_batch"
     TEST = {"cluster": "cpu", "big_preset": "gpt2"}  # FakeTensors of gpt2, not of 7B: 1 s, not 9
     # the per-rank share stays 32 at any world size: the step as written needs 4.3 MiB, the fixed one 0.7
@@ -298,7 +319,9 @@ class Params(LabParams):
         )
 
     def resolve(self, *, on_gpu: bool = False) -> Params:
-        p = self if self.global_batch is not None else replace(self, global_batch=32 * self.world_size)
+        p = self.gpu_sized(on_gpu)
+        per_rank = self.GPU_SEQUENCES_PER_RANK if on_gpu else 32
+        p = p if p.global_batch is not None else replace(p, global_batch=per_rank * p.world_size)
         p.check_multiple(
             "global_batch",
             p.world_size,
@@ -317,17 +340,10 @@ class Params(LabParams):
 
 
 
-def headline(w: Where, p: Params) -> LabRecords:
-    """Lab 02's records: peak memory per rank of the step as first written and with the fixes, against the
-    memory.
-
-    The fixed step: bf16 autocast and activation checkpointing at the largest micro-batch whose estimate
-    (`labkit.memory.estimate`) fits `memory_mib`, accumulated under `no_sync` to the same global batch. On the
-    emulated cluster the fixed step runs inside the budget (an OOM would raise); under torchrun nothing caps
-    the memory (the cap is set once per process, when its group is made), so both peaks are measured and
-    compared."""
-    config = p.config()
-    per_rank = p.global_batch // w.world_size
+def fixed_micro_batch(p: Params) -> tuple[int, MemoryBreakdown]:
+    """The fixed step's micro-batch: the largest divisor of the per-rank batch whose estimate with bf16
+    autocast and activation checkpointing (`labkit.memory.estimate`) fits `memory_mib`, and that estimate."""
+    per_rank, config = p.global_batch // p.world_size, p.config()
     estimates = {
         m: estimate(model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True)
         for m in range(per_rank, 0, -1)
@@ -341,6 +357,21 @@ def headline(w: Where, p: Params) -> LabRecords:
             "enough for a micro-batch of 1 with autocast and checkpointing",
             round(estimates[1].peak / _MIB * 1.2, 1),
         )
+    return micro, estimates[micro]
+
+
+def headline(w: Where, p: Params) -> LabRecords:
+    """Lab 02's records: peak memory per rank of the step as first written and with the fixes, against the
+    memory.
+
+    The fixed step: bf16 autocast and activation checkpointing at the largest micro-batch whose estimate
+    (`labkit.memory.estimate`) fits `memory_mib`, accumulated under `no_sync` to the same global batch. On the
+    emulated cluster the fixed step runs inside the budget (an OOM would raise); under torchrun nothing caps
+    the memory (the cap is set once per process, when its group is made), so both peaks are measured and
+    compared."""
+    config = p.config()
+    per_rank = p.global_batch // w.world_size
+    micro, estimated = fixed_micro_batch(p)
     counting, limited = w.cluster, w.cluster
     if w.emulated:  # a budget too large to hit only counts; the lab's budget enforces
         counting, limited = (
@@ -381,7 +412,7 @@ def headline(w: Where, p: Params) -> LabRecords:
         f"peak memory per rank at global batch {p.global_batch}: as first written vs with the fixes",
         {
             "micro_batch_after": micro,
-            "estimate_after_mib": estimates[micro].peak / _MIB,
+            "estimate_after_mib": estimated.peak / _MIB,
             "peak_source": after[0].peak_source,
             "allreduces_per_step": after[0].allreduce_calls,
             "ddp_buckets": after[0].buckets,
