@@ -13,6 +13,12 @@ head's FLOPs, the cross-entropy's and the embedding gradient's bytes at `HBM_BYT
 host dispatches), a send and a receive of the activations at every stage boundary, and the step from
 `labkit.pipeline_plan` (`pipeline_step_time`, `balance`, `ideal_step_time` for the limit).
 
+`bandwidth_forecast` is lab 00's (the all-reduce bus bandwidth of the sweep's smallest and largest message
+against the link's bandwidth): the α-β ring model of `labkit.links`, busbw as nccl-tests defines it. Bandwidth
+is higher-is-better, so its targets are the timed ones inverted (before/after <= 0.8, limit/after <= 1.25).
+The ring model overstates NCCL's small-message time (NCCL's LL protocol and NVLS pay less than 2(n-1)
+latencies), so the forecast's `before` is low; the lesson, small messages far below the link, is the same.
+
 `overlap_forecast` is lab 03's (gradient all-reduce after backward vs buckets during backward): compute from
 the model's FLOPs at a stated rate (`labkit.planner.forward_flops_per_token`, backward = 2x forward) with a
 floor of one host dispatch per kernel (eager PyTorch is launch-bound on small layers), communication from the
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit.links import Link, collective_time_s
+from labkit.links import Link, bus_bandwidth_factor, collective_time_s
 from labkit.models import GPT, GPTConfig
 from labkit.pipeline_plan import (
     balance,
@@ -43,7 +49,9 @@ __all__ = [
     "FP32_PEAK_TFLOPS",
     "KERNELS_PER_BLOCK",
     "Forecast",
+    "bandwidth_forecast",
     "bucket_sizes",
+    "bus_bandwidth_gb_s",
     "fp32_flops_per_s",
     "lesson_shows",
     "overlap_forecast",
@@ -73,27 +81,35 @@ def fp32_flops_per_s(gpu_name: str, efficiency: float = FP32_EFFICIENCY) -> floa
     return None if peak is None else peak * 1e12 * efficiency
 
 
-def lesson_shows(before: float, after: float, limit: float) -> bool:
-    """The course's targets for a timed lab: after/before <= 0.8 and after/limit <= 1.25."""
+def lesson_shows(before: float, after: float, limit: float, *, higher_is_better: bool = False) -> bool:
+    """The course's targets for a timed lab: after/before <= 0.8 and after/limit <= 1.25 (for a bandwidth,
+    higher is better: before/after <= 0.8 and limit/after <= 1.25)."""
+    if higher_is_better:
+        return before <= TARGET_RATIO * after and limit <= TARGET_TO_LIMIT * after
     return after <= TARGET_RATIO * before and after <= TARGET_TO_LIMIT * limit
 
 
-def verdict(before: float, after: float, limit: float, label: str) -> str:
+def verdict(before: float, after: float, limit: float, label: str, *, higher_is_better: bool = False) -> str:
     """What a notebook prints under its measured numbers: the check, or that the lesson does not show here."""
-    ratio, to_limit = after / before, after / limit
-    numbers = f"after/before = {ratio:.2f}, after/limit = {to_limit:.2f} ({label})"
-    if lesson_shows(before, after, limit):
+    if higher_is_better:
+        numbers = f"before/after = {before / after:.2f}, limit/after = {limit / after:.2f} ({label})"
+        targets = f"before/after <= {TARGET_RATIO} and limit/after <= {TARGET_TO_LIMIT}"
+    else:
+        numbers = f"after/before = {after / before:.2f}, after/limit = {after / limit:.2f} ({label})"
+        targets = f"after/before <= {TARGET_RATIO} and after/limit <= {TARGET_TO_LIMIT}"
+    if lesson_shows(before, after, limit, higher_is_better=higher_is_better):
         return f"check passed: {numbers}"
     return (
-        f"the lesson does not show on this machine: {numbers}; the course's targets are "
-        f"after/before <= {TARGET_RATIO} and after/limit <= {TARGET_TO_LIMIT}. The effect is too small (or "
-        "too large to hide) at these sizes here: see the forecast above for sizes where it shows"
+        f"the lesson does not show on this machine: {numbers}; the course's targets are {targets}. The "
+        "effect is too small (or too large to hide) at these sizes here: see the forecast above for sizes "
+        "where it shows"
     )
 
 
 @dataclass(frozen=True)
 class Forecast:
-    """One lab's numbers on paper (ms), the terms behind them, and the machine they are for."""
+    """One lab's numbers on paper (in `unit`: ms, or GB/s for a bandwidth), the terms behind them (ms), and
+    the machine they are for."""
 
     lab: str
     before: float
@@ -102,20 +118,52 @@ class Forecast:
     where: str
     terms: dict[str, float] = field(default_factory=dict)  # ms
     note: str = ""
+    unit: str = "ms"
+    higher_is_better: bool = False  # a bandwidth; a time is lower-is-better
 
     def shows(self) -> bool:
-        """Whether the lesson shows: after/before <= 0.8 and after/limit <= 1.25."""
-        return lesson_shows(self.before, self.after, self.limit)
+        """Whether the lesson shows: the course's targets (`lesson_shows`)."""
+        return lesson_shows(self.before, self.after, self.limit, higher_is_better=self.higher_is_better)
 
     def __str__(self) -> str:
-        terms = ", ".join(f"{k} {v:.2f} ms" for k, v in self.terms.items())
+        terms = ", ".join(f"{k} {v:.3g} ms" for k, v in self.terms.items())
         verdict = "shows" if self.shows() else "does not show"
         note = f"; {self.note}" if self.note else ""
-        return (
-            f"{self.lab} on {self.where}: before {self.before:.2f} ms, after {self.after:.2f} ms, limit "
-            f"{self.limit:.2f} ms (after/before {self.after / self.before:.2f}, after/limit "
-            f"{self.after / self.limit:.2f}): the lesson {verdict} ({terms}{note})"
+        u = self.unit
+        ratios = (
+            f"before/after {self.before / self.after:.2f}, limit/after {self.limit / self.after:.2f}"
+            if self.higher_is_better
+            else f"after/before {self.after / self.before:.2f}, after/limit {self.after / self.limit:.2f}"
         )
+        return (
+            f"{self.lab} on {self.where}: before {self.before:.4g} {u}, after {self.after:.4g} {u}, limit "
+            f"{self.limit:.4g} {u} ({ratios}): the lesson {verdict} ({terms}{note})"
+        )
+
+
+def bus_bandwidth_gb_s(nbytes: int, world_size: int, link: Link) -> float:
+    """The α-β ring model's all-reduce bus bandwidth (GB/s) of an `nbytes` message on `world_size` ranks."""
+    seconds = collective_time_s("all_reduce", nbytes, world_size, link)
+    return nbytes / seconds / 1e9 * bus_bandwidth_factor("all_reduce", world_size)
+
+
+def bandwidth_forecast(sizes: list[int], world_size: int, link: Link, *, where: str = "") -> Forecast:
+    """Lab 00 on paper: all-reduce bus bandwidth of the smallest and the largest of `sizes` (bytes) on
+    `world_size` ranks over `link`, against the link's bandwidth."""
+    small, large = min(sizes), max(sizes)
+    def ms(n: int) -> float:
+        return collective_time_s("all_reduce", n, world_size, link) * 1e3
+
+    return Forecast(
+        "00_cluster_tour",
+        bus_bandwidth_gb_s(small, world_size, link),
+        bus_bandwidth_gb_s(large, world_size, link),
+        link.bandwidth_gb_s,
+        where or f"{world_size} ranks on {link.name or 'a link'}",
+        {f"all_reduce of {small} B": ms(small), f"all_reduce of {large} B": ms(large)},
+        unit="GB/s",
+        higher_is_better=True,
+    )
 
 
 def _param_numels(config: GPTConfig) -> list[int]:

@@ -1,4 +1,5 @@
-"""labkit.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults (labs 03 and 04).
+"""labkit.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults (labs 00, 03, 04;
+lab 02's on a card is tests/experiments/test_oom_batch_gpu.py).
 
 The course's targets (after/before <= 0.8, after/limit <= 1.25) are asserted on the forecast of lab 03's GPU
 sizes on a DGX H100 (one node: two ranks and all eight), and the review's finding is pinned: at the sizes the
@@ -10,10 +11,12 @@ from __future__ import annotations
 import pytest
 
 from labkit import Cluster
+from labkit.experiments.cluster_tour import Params as Lab00
 from labkit.experiments.imbalanced_pipeline import Params as Lab04
 from labkit.experiments.unoverlapped_comms import Params as Lab03
 from labkit.forecast import (
     Forecast,
+    bandwidth_forecast,
     bucket_sizes,
     fp32_flops_per_s,
     lesson_shows,
@@ -107,3 +110,25 @@ def test_lab_04_at_its_emulated_sizes_inverts_on_a_gpu_and_two_stages_are_too_fe
     f = _lab04(Lab04(stages=4).resolve(on_gpu=False))
     assert f.after > f.before and not f.shows(), str(f)
     assert not _lab04(Lab04(stages=2).resolve(on_gpu=True)).shows()
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_lab_00s_gpu_sweep_reaches_the_link_on_one_dgx_h100_node_and_the_emulated_sweep_would_not(ranks):
+    sizes = [int(k * 1024) for k in Lab00(world_size=ranks).resolve(on_gpu=True).sizes_kib]
+    assert max(sizes) == 2**30  # to 1 GiB, as nccl-tests sweeps
+    f = bandwidth_forecast(sizes, ranks, DGX.intra_node, where="DGX H100")
+    assert f.shows() and f.higher_is_better, str(f)
+    assert f.before < 0.01 * f.after  # a 4 KiB all-reduce is latency-bound
+    assert f.after <= f.limit  # the model never beats the link
+    # the emulated sweep stops at 4 MiB, where NVLink's all-reduce is still half latency
+    emulated = [int(k * 1024) for k in Lab00().resolve(on_gpu=False).sizes_kib]
+    g = bandwidth_forecast(emulated, ranks, DGX.intra_node)
+    assert not g.shows() and g.after < 0.6 * g.limit, str(g)
+
+
+def test_a_bandwidth_is_higher_is_better():
+    assert lesson_shows(10, 90, 100, higher_is_better=True)
+    assert not lesson_shows(10, 70, 100, higher_is_better=True)  # far from the link
+    assert not lesson_shows(85, 100, 100, higher_is_better=True)  # small messages as good as large
+    assert verdict(10, 90, 100, "GPU", higher_is_better=True).startswith("check passed: before/after = 0.11")
+    assert "limit/after <= 1.25" in verdict(10, 70, 100, "GPU", higher_is_better=True)
