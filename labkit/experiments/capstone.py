@@ -30,7 +30,8 @@ from labkit.training.mistakes import MISTAKES, by_diagnosis, held_out_samples
 __all__ = ["DEALT", "Capstone", "Params", "clean_job", "draw", "headline", "step_ms", "train"]
 
 # The mistakes a capstone is dealt from, in this order (a seed keeps its job). A host sync is left out: it
-# costs nothing where compute is synchronous (the emulated cluster).
+# costs nothing where compute is synchronous (the emulated cluster), and on a GPU nothing follows it in a
+# timed step (`unprofiled_run.kinds_that_show`).
 DEALT = ("oom_batch", "per_tensor_allreduce", "straggler", "data_loading", "sync_logging")
 _MIB = 2**20
 

@@ -8,7 +8,8 @@ threshold, so it does not depend on the model's size:
    process (PyTorch's DataLoader spans, or `phase("data")`);
 2. **host sync**: a rank spends at least `HOST_SYNC_SHARE` of its step in host synchronisations
    (`.item()`, `cuda*Synchronize`). On the emulated cluster compute is synchronous, so a sync costs
-   nothing there: this one shows on GPUs only;
+   nothing there: this one fires on GPU traces only (the time is spent in the sync; what removing it saves
+   is the host work after it that could have overlapped the device);
 3. **straggler**: one rank computes at least `STRAGGLER_RATIO` times the others' median while they wait
    for it at least `WAIT_SHARE` of the step, and it waits less than half as much as they do (on GPU traces
    the wait is inside the NCCL kernels: `_waited_ms`);

@@ -17,8 +17,10 @@ The mistakes, each seen in real jobs:
   once before training instead (or in DataLoader workers);
 * "sync_logging" (lab 05): every rank's logits all-gathered, blocking, between forward and backward to log a
   global accuracy; a local metric, all-reduced asynchronously and waited for at the end of the step, instead;
-* "host_sync" (lab 05): `loss.item()` every step, which on a GPU drains the launch queue; on the emulated
-  cluster compute is synchronous, so it costs nothing there (and `diagnose` rightly finds nothing).
+* "host_sync" (lab 05): `loss.item()` every step, which on a GPU drains the launch queue; it costs the host
+  work after it that would otherwise overlap the device. On the emulated cluster compute is synchronous, so it
+  costs nothing there (and `diagnose` rightly finds nothing); in lab 05's timed steps nothing follows it, so
+  lab 05 does not draw it (`unprofiled_run.kinds_that_show`); `diagnose` still names it in a GPU trace.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ _TABLE = (
         right="deferred",
         diagnosed_as="host_sync",
         fix='loss_readout="deferred": keep the loss on the device; read it every N steps',
-        shows="the host waits for the device every step (.item()); on GPUs only",
+        shows="the host waits for the device every step (.item()), on GPUs; it costs the host work after it",
     ),
 )
 MISTAKES: dict[str, Mistake] = {m.name: m for m in _TABLE}
