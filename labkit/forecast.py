@@ -19,6 +19,13 @@ is higher-is-better, so its targets are the timed ones inverted (before/after <=
 The ring model overstates NCCL's small-message time (NCCL's LL protocol and NVLS pay less than 2(n-1)
 latencies), so the forecast's `before` is low; the lesson, small messages far below the link, is the same.
 
+`job_forecast` is lab 05's (one planted mistake of the course's training job, its fix, and the clean job):
+the training step from the layer costs above plus the optimizer and DDP's last bucket; each mistake adds what
+it does to that step (the in-loop tokenizer its share of the step's compute, as `tokenizer_passes` sizes it;
+one all-reduce per gradient after backward; one rank evaluating the whole held-out batch; every rank's logits
+all-gathered and scored between forward and backward), each operator at least its host dispatch, since on a
+launch-bound GPU device work only hides under the host's time where the device has slack.
+
 `overlap_forecast` is lab 03's (gradient all-reduce after backward vs buckets during backward): compute from
 the model's FLOPs at a stated rate (`labkit.planner.forward_flops_per_token`, backward = 2x forward) with a
 floor of one host dispatch per kernel (eager PyTorch is launch-bound on small layers), communication from the
@@ -47,12 +54,15 @@ from labkit.planner import forward_flops_per_token
 __all__ = [
     "DISPATCH_S",
     "FP32_PEAK_TFLOPS",
+    "JOB_KINDS",
     "KERNELS_PER_BLOCK",
+    "TARGETS",
     "Forecast",
     "bandwidth_forecast",
     "bucket_sizes",
     "bus_bandwidth_gb_s",
     "fp32_flops_per_s",
+    "job_forecast",
     "lesson_shows",
     "overlap_forecast",
     "pipeline_forecast",
@@ -81,28 +91,51 @@ def fp32_flops_per_s(gpu_name: str, efficiency: float = FP32_EFFICIENCY) -> floa
     return None if peak is None else peak * 1e12 * efficiency
 
 
-def lesson_shows(before: float, after: float, limit: float, *, higher_is_better: bool = False) -> bool:
-    """The course's targets for a timed lab: after/before <= 0.8 and after/limit <= 1.25 (for a bandwidth,
-    higher is better: before/after <= 0.8 and limit/after <= 1.25)."""
-    if higher_is_better:
-        return before <= TARGET_RATIO * after and limit <= TARGET_TO_LIMIT * after
-    return after <= TARGET_RATIO * before and after <= TARGET_TO_LIMIT * limit
+# Which targets a lesson is held to: a time it shortens towards a limit; a bandwidth it raises towards the
+# link; a planted mistake's share of the step, which the fix removes (the limit is the clean job, a reference
+# rather than a bound: lab 05's fixed straggler still evaluates, shared out, which the clean job does not).
+TARGETS = ("time", "bandwidth", "share")
 
 
-def verdict(before: float, after: float, limit: float, label: str, *, higher_is_better: bool = False) -> str:
+def _ratios(before: float, after: float, limit: float, targets: str) -> tuple[dict[str, float], bool]:
+    """The ratios a lesson's targets look at, each with its threshold met or not."""
+    if targets not in TARGETS:
+        raise ValueError(f"targets={targets!r} must be one of {', '.join(TARGETS)}")
+    if targets == "bandwidth":
+        ratios = {"before/after": before / after, "limit/after": limit / after}
+        return ratios, ratios["before/after"] <= TARGET_RATIO and ratios["limit/after"] <= TARGET_TO_LIMIT
+    if targets == "share":
+        ratios = {"after/before": after / before, "limit/before": limit / before}
+        return ratios, ratios["after/before"] <= TARGET_RATIO and ratios["limit/before"] <= TARGET_RATIO
+    ratios = {"after/before": after / before, "after/limit": after / limit}
+    return ratios, ratios["after/before"] <= TARGET_RATIO and ratios["after/limit"] <= TARGET_TO_LIMIT
+
+
+def _targets_text(targets: str) -> str:
+    return {
+        "time": f"after/before <= {TARGET_RATIO} and after/limit <= {TARGET_TO_LIMIT}",
+        "bandwidth": f"before/after <= {TARGET_RATIO} and limit/after <= {TARGET_TO_LIMIT}",
+        "share": f"after/before <= {TARGET_RATIO} and limit/before <= {TARGET_RATIO}",
+    }[targets]
+
+
+def lesson_shows(before: float, after: float, limit: float, *, targets: str = "time") -> bool:
+    """The course's targets: for a time after/before <= 0.8 and after/limit <= 1.25; for a bandwidth
+    (higher is better) before/after <= 0.8 and limit/after <= 1.25; for a planted mistake's share of the step
+    after/before <= 0.8 and limit/before <= 0.8 (it costs at least a fifth, and the fix takes it off)."""
+    return _ratios(before, after, limit, targets)[1]
+
+
+def verdict(before: float, after: float, limit: float, label: str, *, targets: str = "time") -> str:
     """What a notebook prints under its measured numbers: the check, or that the lesson does not show here."""
-    if higher_is_better:
-        numbers = f"before/after = {before / after:.2f}, limit/after = {limit / after:.2f} ({label})"
-        targets = f"before/after <= {TARGET_RATIO} and limit/after <= {TARGET_TO_LIMIT}"
-    else:
-        numbers = f"after/before = {after / before:.2f}, after/limit = {after / limit:.2f} ({label})"
-        targets = f"after/before <= {TARGET_RATIO} and after/limit <= {TARGET_TO_LIMIT}"
-    if lesson_shows(before, after, limit, higher_is_better=higher_is_better):
+    ratios, shows = _ratios(before, after, limit, targets)
+    numbers = ", ".join(f"{k} = {v:.2f}" for k, v in ratios.items()) + f" ({label})"
+    if shows:
         return f"check passed: {numbers}"
     return (
-        f"the lesson does not show on this machine: {numbers}; the course's targets are {targets}. The "
-        "effect is too small (or too large to hide) at these sizes here: see the forecast above for sizes "
-        "where it shows"
+        f"the lesson does not show on this machine: {numbers}; the course's targets are "
+        f"{_targets_text(targets)}. The effect is too small (or too large to hide) at these sizes here: see "
+        "the forecast above for sizes where it shows"
     )
 
 
@@ -119,22 +152,22 @@ class Forecast:
     terms: dict[str, float] = field(default_factory=dict)  # ms
     note: str = ""
     unit: str = "ms"
-    higher_is_better: bool = False  # a bandwidth; a time is lower-is-better
+    targets: str = "time"  # which of TARGETS the lesson is held to
+
+    def __post_init__(self) -> None:
+        _ratios(self.before, self.after, self.limit, self.targets)  # a bad `targets` raises here
 
     def shows(self) -> bool:
         """Whether the lesson shows: the course's targets (`lesson_shows`)."""
-        return lesson_shows(self.before, self.after, self.limit, higher_is_better=self.higher_is_better)
+        return lesson_shows(self.before, self.after, self.limit, targets=self.targets)
 
     def __str__(self) -> str:
         terms = ", ".join(f"{k} {v:.3g} ms" for k, v in self.terms.items())
         verdict = "shows" if self.shows() else "does not show"
         note = f"; {self.note}" if self.note else ""
         u = self.unit
-        ratios = (
-            f"before/after {self.before / self.after:.2f}, limit/after {self.limit / self.after:.2f}"
-            if self.higher_is_better
-            else f"after/before {self.after / self.before:.2f}, after/limit {self.after / self.limit:.2f}"
-        )
+        values, _ = _ratios(self.before, self.after, self.limit, self.targets)
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in values.items())
         return (
             f"{self.lab} on {self.where}: before {self.before:.4g} {u}, after {self.after:.4g} {u}, limit "
             f"{self.limit:.4g} {u} ({ratios}): the lesson {verdict} ({terms}{note})"
@@ -162,7 +195,7 @@ def bandwidth_forecast(sizes: list[int], world_size: int, link: Link, *, where: 
         where or f"{world_size} ranks on {link.name or 'a link'}",
         {f"all_reduce of {small} B": ms(small), f"all_reduce of {large} B": ms(large)},
         unit="GB/s",
-        higher_is_better=True,
+        targets="bandwidth",
     )
 
 
@@ -284,4 +317,79 @@ def pipeline_forecast(
             "naive mean stage": sum(naive_stages) / stages * 1e3,
         },
         f"imbalance x{imbalance:.2f}; {few_micro_batches} -> {m} micro-batches",
+    )
+
+
+def _forward_s(config: GPTConfig, tokens: int, flops_per_s: float) -> float:
+    """One forward (evaluation: no backward) of `tokens`: its FLOPs, the logits written and read, at least
+    its dispatches."""
+    block_f, head_f = forward_flops_per_token(config)
+    device = tokens * (config.n_layers * block_f + head_f) / flops_per_s
+    device += 2 * tokens * config.vocab_size * 4 / HBM_BYTES_PER_S
+    return max(device, (config.n_layers * KERNELS_PER_BLOCK / 3 + 2) * DISPATCH_S)
+
+
+def _bytes_or_dispatch_s(nbytes: float, kernels: int) -> float:
+    """A memory-bound piece of work: its bytes at HBM speed, at least its kernels' dispatches."""
+    return max(nbytes / HBM_BYTES_PER_S, kernels * DISPATCH_S)
+
+
+JOB_KINDS = ("data_loading", "per_tensor_allreduce", "straggler", "sync_logging")
+
+
+def job_forecast(
+    config: GPTConfig,
+    kind: str,
+    micro_batch: int,
+    world_size: int,
+    link: Link,
+    flops_per_s: float,
+    *,
+    bucket_cap_mb: float,
+    tokenizer_cost: float,
+    eval_samples: int,
+    where: str = "",
+) -> Forecast:
+    """Lab 05 on paper: the course's job (SGD, DDP) with the mistake `kind` planted (before), fixed (after)
+    and clean (limit), one micro-batch per step, on `world_size` ranks whose slowest link is `link`. Held to
+    the "share" targets: the mistake costs at least a fifth of the step and the fix takes most of it off."""
+    if kind not in JOB_KINDS:
+        raise ValueError(f"kind={kind!r} must be one of {', '.join(JOB_KINDS)}")
+    tokens = micro_batch * config.seq_len
+    numels = _param_numels(config)
+    train_s = sum(_layer_costs_s(config, tokens, flops_per_s))
+    optimizer_s = _bytes_or_dispatch_s(3 * 4 * sum(numels), 3)  # SGD (foreach): read p and g, write p
+    buckets = bucket_sizes(numels, bucket_cap_mb * 2**20, 4)
+    last_bucket_s = collective_time_s("all_reduce", buckets[-1], world_size, link)  # after backward's end
+    clean_s = train_s + optimizer_s + max(last_bucket_s, DISPATCH_S) + len(buckets) * DISPATCH_S
+    logits_bytes = tokens * config.vocab_size * 4
+    if kind == "data_loading":
+        before_s, after_s = clean_s + tokenizer_cost * train_s, clean_s
+        terms = {"tokenizer in the loop": tokenizer_cost * train_s * 1e3}
+    elif kind == "per_tensor_allreduce":
+        per_tensor = [
+            max(collective_time_s("all_reduce", 4 * n, world_size, link), DISPATCH_S) for n in numels
+        ]
+        before_s, after_s = train_s + optimizer_s + sum(per_tensor), clean_s
+        terms = {f"{len(numels)} all-reduces after backward": sum(per_tensor) * 1e3}
+    elif kind == "straggler":
+        forward_s = _forward_s(config, tokens, flops_per_s)
+        shared = -(-eval_samples // world_size)  # rows per rank, evaluated in micro-batches
+        before_s = clean_s + -(-eval_samples // micro_batch) * forward_s
+        after_s = clean_s + -(-shared // micro_batch) * forward_s
+        terms = {"one forward of a micro-batch": forward_s * 1e3}
+    else:  # sync_logging: all-gather the logits, score them all; fixed: score locally, all-reduce two numbers
+        gather_s = collective_time_s("all_gather", world_size * logits_bytes, world_size, link)
+        before_s = clean_s + max(gather_s, DISPATCH_S) + _bytes_or_dispatch_s(world_size * logits_bytes, 3)
+        after_s = clean_s + _bytes_or_dispatch_s(logits_bytes, 4) + DISPATCH_S
+        terms = {"all-gather of the logits": gather_s * 1e3}
+    return Forecast(
+        "05_unprofiled_run",
+        before_s * 1e3,
+        after_s * 1e3,
+        clean_s * 1e3,
+        where or f"{world_size} ranks on {link.name or 'a link'}",
+        {"training step": train_s * 1e3, **terms},
+        f"planted {kind}",
+        targets="share",
     )

@@ -65,9 +65,12 @@ def tokenizer_passes(
     model: nn.Module, config: GPTConfig, samples: int, share: float, device: torch.device
 ) -> int:
     """Tokenizer passes per sample that cost about `share` of a forward and backward of `samples` samples,
-    both on this rank's timer (`labkit.timer.clock`). The forward and backward timed is the model's first,
-    cold: more passes, if anything."""
+    both on this rank's timer (`labkit.timer.clock`). The forward and backward timed is the model's second:
+    on a GPU the first loads each kernel (CUDA's lazy module loading) and picks cuBLAS algorithms, many times
+    a warm step, which would size the tokenizer for a step the job never runs."""
     x, y = synthetic_batch(config, samples, device=device)
+    model(x, y).backward()  # warm, untimed
+    model.zero_grad(set_to_none=True)
     t0 = timer.clock()
     model(x, y).backward()
     step_s = timer.clock() - t0

@@ -110,7 +110,8 @@ def test_the_jobs_plant_one_mistake_each_and_the_diagnosis_fixes_only_its_own():
         fixed = fixed_job(job, MISTAKES[kind].diagnosed_as)
         assert not any(MISTAKES[m].planted_in(fixed) for m in MYSTERY_KINDS)
         assert run_name(fixed, clean) == ("clean" if fixed == clean else "fixed")
-    # a host sync is the step's last wait in this job's timed steps: it cannot show on either cluster
+    # a host sync is the step's last wait in this job's timed steps: it cannot show on either cluster (and
+    # tests/test_forecast.py ties the GPU list to lab 05's forecast)
     assert "host_sync" not in kinds_that_show(on_gpu=True) + kinds_that_show(on_gpu=False)
     with pytest.raises(ValueError, match="kind='slow_disk' is not one of lab 05's mistakes"):
         mystery_job(clean, "slow_disk", 2)
