@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks in one short run (under 8 minutes on one GPU), ending with a table: the GPU, labkit doctor,
-# then the tests marked `gpu` (NCCL collectives, the memory estimate against CUDA's allocator, a CUDA trace,
-# each solution notebook on the GPUs there are, each lab's script under torchrun). Uses the torch already installed (a machine may be offline);
-# says what is missing instead of installing it.
+# The GPU checks in one short run (under 8 minutes on one GPU), most telling first, so that a short lease still
+# gives the most: the GPU, labkit doctor, the one-rank table (tests/gpu_rows.py: memory baseline, lab 02's
+# estimate, cap and batch finder, fragmentation with each fix, precisions, lab 04's layer costs and lab 03's
+# compute at their GPU sizes against the forecast), then the tests marked `gpu` (NCCL collectives, the memory
+# estimate against CUDA's allocator, a CUDA trace, each solution notebook on the GPUs there are, each lab's
+# script under torchrun) with their table. Uses the torch already installed (a machine may be offline); says
+# what is missing instead of installing it. Exits non-zero if any row failed.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,11 +29,13 @@ if [ -n "$missing" ]; then
 fi
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-timeout 120 $PY -m labkit.cli doctor --cluster gpu 2>&1 | tail -4
+timeout 60 $PY -m labkit.cli doctor --cluster auto 2>&1 | tail -12
+timeout 150 $PY tests/gpu_rows.py
+rows=$?
 xml=$(mktemp --suffix=.xml)
 # every test marked `gpu`, each beside the module it tests; a test module that fails to import is reported
 # (the status is non-zero) without keeping the others from running
-timeout 450 $PY -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --continue-on-collection-errors \
+timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --continue-on-collection-errors \
   --junitxml="$xml" tests/
 status=$?
 $PY - "$xml" <<'PY'
@@ -54,4 +59,8 @@ for c in cases:
         reason = ""
     print(f"{c.get('name')[:72]:72} {outcome:8} {float(c.get('time', 0)):6.1f}  {reason}")
 PY
+if [ "$rows" -ne 0 ]; then
+  echo "the one-rank table above has a failed row (exit $rows)"
+  exit 1
+fi
 exit $status
