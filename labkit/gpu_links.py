@@ -84,7 +84,10 @@ def _visible(env: str | None, count: int) -> list[int]:
 
     UUIDs or MIG names cannot be matched to the matrix from here, so all GPUs are taken; CUDA
     also numbers GPUs fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, which only matters on a
-    node with mixed GPUs.
+    node with mixed GPUs. An index beyond the matrix means the list numbers GPUs the matrix does not
+    (a SLURM job whose device cgroup shows nvidia-smi only its own GPUs, renumbered from 0, while
+    CUDA_VISIBLE_DEVICES keeps the node's numbers): then the matrix is the job's GPUs, all taken, not
+    none (which left no pair and a PCIe guess).
     """
     if env is None or not env.strip():
         return list(range(count))
@@ -93,8 +96,9 @@ def _visible(env: str | None, count: int) -> list[int]:
         item = item.strip()
         if not item.isdigit():
             return list(range(count))
-        if int(item) < count:
-            picked.append(int(item))
+        if int(item) >= count:
+            return list(range(count))
+        picked.append(int(item))
     return picked
 
 

@@ -66,6 +66,9 @@ def test_the_slowest_visible_pair_decides_and_visible_devices_limit_the_pairs():
     assert one_link.bandwidth_gb_s == 25.0
     # UUIDs cannot be matched to nvidia-smi's indices: all GPUs are taken.
     assert intra_node_link(DGX1_V100, names, visible_env="GPU-1234,GPU-5678").bandwidth_gb_s == 15.75
+    # A SLURM job's cgroup shows nvidia-smi only its GPUs (renumbered) while CUDA_VISIBLE_DEVICES keeps the
+    # node's numbers: the matrix is the job's, all of it is taken (it used to be none: a PCIe guess)
+    assert intra_node_link(DGX1_V100, names, visible_env="4,6") == everything
 
 
 def test_pcie_only_nodes_and_missing_matrices():
