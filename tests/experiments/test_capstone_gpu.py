@@ -3,8 +3,8 @@ caching allocator (`labkit.emulate.allocator`), whose reserved bytes are what a 
 
 Pinned: at the emulated sizes a card would run out on the clean job (28 MiB reserved against 22) and could not
 tell the planted OOM (30) from it; at the GPU sizes (`GPU_MODEL`, `SEGMENT_SLACK_MIB` more memory) the clean
-job and the logging mistake's gathered logits fit, and the whole per-rank batch in one micro-batch does not,
-by its allocated bytes alone."""
+job fits with room to spare, and the whole per-rank batch in one micro-batch does not, by its allocated bytes
+alone. (The logging mistake, whose gathered logits would need more, is not dealt on GPUs.)"""
 
 from __future__ import annotations
 
@@ -36,20 +36,19 @@ def _replay(model, jobs) -> list[tuple[float, float]]:
 def _peaks(on_gpu: bool):
     cap = draw(0, on_gpu=on_gpu)
     clean = cap.clean
-    gathered = dataclasses.replace(clean, accuracy="gathered")
-    jobs = [clean, gathered, MISTAKES["oom_batch"].plant(clean, 2, None)]
+    jobs = [clean, MISTAKES["oom_batch"].plant(clean, 2, None)]
     return cap, launch(_replay, cap.model, jobs, world_size=2, cluster=Cluster.emulated())[0]
 
 
 def test_on_a_card_the_capstones_gpu_sizes_fit_the_clean_job_and_not_the_planted_oom():
-    cap, [(_, clean), (_, gathered), (oom_allocated, _)] = _peaks(on_gpu=True)
+    cap, [(_, clean), (oom_allocated, _)] = _peaks(on_gpu=True)
     assert cap.model == GPU_MODEL and "sync_logging" not in dealt(True) and "sync_logging" not in cap.planted
-    assert clean <= cap.memory_mib and gathered <= cap.memory_mib  # reserved, what the cap limits
-    assert oom_allocated > cap.memory_mib  # out of memory whatever the allocator rounds
+    assert clean <= 0.85 * cap.memory_mib  # reserved, what the cap limits, with room to spare
+    assert oom_allocated > 1.1 * cap.memory_mib  # out of memory whatever the allocator rounds
 
 
 def test_at_the_emulated_sizes_a_card_would_run_out_on_the_clean_job():
-    cap, [(allocated, clean), _, (_, oom)] = _peaks(on_gpu=False)
+    cap, [(allocated, clean), (_, oom)] = _peaks(on_gpu=False)
     assert cap.model == MODEL
     assert allocated <= cap.memory_mib < clean  # fits the emulated budget (tensor bytes), not a card
     assert oom - clean <= 2  # and the planted OOM reserves about as much: no cap tells them apart
