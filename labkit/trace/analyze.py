@@ -9,7 +9,8 @@ timeline is closest to the device:
 * **GPU kernels** in a host trace: compute is the union of non-NCCL kernels, communication the NCCL
   kernels, so host-side spans that only enqueue work (`backward`, `optimizer.step`) never count as
   overlap; each NCCL kernel is one of the step's collectives (`step_collectives`, sizes unknown);
-* **CPU host trace** alone: the lanes of `timeline.step_lanes`.
+* **CPU host trace** alone: the lanes of `timeline.step_lanes`; each `gloo:*` span (gloo's own thread runs
+  the transfer, with its real duration: `commlog.py`) is one of the step's collectives.
 
 From the host trace it also takes the operators with the most self time, data loading (PyTorch's
 "enumerate(DataLoader)#..." spans and `phase("data...")`) and host synchronisations (`aten::item`,
@@ -259,12 +260,11 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
             )
             ncoll = len(colls)
         else:
-            comm_events = [
-                e for e in host.lane("comm") if lo <= e.start_us < hi and e.category == COMM_CATEGORY
-            ]
-            ncoll = len(comm_events) or len(
-                [e for e in host.lane("comm") if lo <= e.start_us < hi and e.name.startswith("c10d::")]
-            )
+            in_step = [e for e in host.lane("comm") if lo <= e.start_us < hi]
+            # gloo's transfers, timed on its own threads: each against the compute of every thread
+            colls = _collectives([e for e in in_step if e.name.startswith("gloo:")], compute, lo, hi)
+            comm_events = [e for e in in_step if e.category == COMM_CATEGORY]
+            ncoll = len(colls) or len(comm_events) or len([e for e in in_step if e.name.startswith("c10d::")])
         data = _named(host, lo, hi, DATA_PREFIXES, True)
         syncs = _host_syncs(host, lo, hi)
         busy = union(compute + comm)

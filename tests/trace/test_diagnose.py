@@ -4,6 +4,7 @@ written by tests/trace/conftest.py's `traces`."""
 
 from __future__ import annotations
 
+from labkit.trace.analyze import analyze
 from labkit.trace.diagnose import diagnose, findings
 
 
@@ -102,3 +103,21 @@ def test_on_gpu_traces_the_collectives_come_from_nccl_kernels(tmp_path, traces):
     sync = diagnose(tmp_path / "sync")
     assert sync.kind == "sync_collective" and "AllGather" in sync.evidence, str(sync)
     assert diagnose(tmp_path / "buckets").kind == "none"
+
+
+def test_on_cpu_host_traces_small_collectives_go_by_exposure_not_by_size(tmp_path, traces):
+    # torchrun over gloo, no device timeline: 20 transfers of any size on gloo's thread after backward, with
+    # nothing computed beside them, are the mistake; the same 20 under backward's compute are DDP's buckets
+    for name, start in (("after", 6.0), ("under", 1.0)):
+        (tmp_path / name).mkdir()
+        for r in (0, 1):
+            events = [traces.step(), traces.x("aten::mm", "cpu_op", 0, 6)]
+            events += [
+                traces.x("gloo:all_reduce", "user_annotation", start + 0.2 * i, 0.2, tid=5) for i in range(20)
+            ]
+            traces.write(tmp_path / name / f"trace_rank{r}.json", events, r)
+    (after,) = {b.source for b in analyze(tmp_path / "after")}
+    assert after == "CPU host trace"
+    d = diagnose(tmp_path / "after")
+    assert d.kind == "small_collectives" and "20 collectives per step" in d.evidence, str(d)
+    assert diagnose(tmp_path / "under").kind != "small_collectives"
