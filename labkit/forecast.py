@@ -97,26 +97,28 @@ def fp32_flops_per_s(gpu_name: str, efficiency: float = FP32_EFFICIENCY) -> floa
 TARGETS = ("time", "bandwidth", "share")
 
 
+# The two ratios each kind of target bounds, with their bounds
+_BOUNDS = {
+    "time": (("after/before", TARGET_RATIO), ("after/limit", TARGET_TO_LIMIT)),
+    "bandwidth": (("before/after", TARGET_RATIO), ("limit/after", TARGET_TO_LIMIT)),
+    "share": (("after/before", TARGET_RATIO), ("limit/before", TARGET_RATIO)),
+}
+
+
 def _ratios(before: float, after: float, limit: float, targets: str) -> tuple[dict[str, float], bool]:
-    """The ratios a lesson's targets look at, each with its threshold met or not."""
+    """The ratios a lesson's targets look at, and whether both are within their bounds."""
     if targets not in TARGETS:
         raise ValueError(f"targets={targets!r} must be one of {', '.join(TARGETS)}")
-    if targets == "bandwidth":
-        ratios = {"before/after": before / after, "limit/after": limit / after}
-        return ratios, ratios["before/after"] <= TARGET_RATIO and ratios["limit/after"] <= TARGET_TO_LIMIT
-    if targets == "share":
-        ratios = {"after/before": after / before, "limit/before": limit / before}
-        return ratios, ratios["after/before"] <= TARGET_RATIO and ratios["limit/before"] <= TARGET_RATIO
-    ratios = {"after/before": after / before, "after/limit": after / limit}
-    return ratios, ratios["after/before"] <= TARGET_RATIO and ratios["after/limit"] <= TARGET_TO_LIMIT
+    values = {"before": before, "after": after, "limit": limit}
+    ratios = {}
+    for name, _ in _BOUNDS[targets]:
+        top, bottom = name.split("/")
+        ratios[name] = values[top] / values[bottom]
+    return ratios, all(ratios[name] <= bound for name, bound in _BOUNDS[targets])
 
 
 def _targets_text(targets: str) -> str:
-    return {
-        "time": f"after/before <= {TARGET_RATIO} and after/limit <= {TARGET_TO_LIMIT}",
-        "bandwidth": f"before/after <= {TARGET_RATIO} and limit/after <= {TARGET_TO_LIMIT}",
-        "share": f"after/before <= {TARGET_RATIO} and limit/before <= {TARGET_RATIO}",
-    }[targets]
+    return " and ".join(f"{name} <= {bound}" for name, bound in _BOUNDS[targets])
 
 
 def lesson_shows(before: float, after: float, limit: float, *, targets: str = "time") -> bool:
@@ -184,6 +186,7 @@ def bandwidth_forecast(sizes: list[int], world_size: int, link: Link, *, where: 
     """Lab 00 on paper: all-reduce bus bandwidth of the smallest and the largest of `sizes` (bytes) on
     `world_size` ranks over `link`, against the link's bandwidth."""
     small, large = min(sizes), max(sizes)
+
     def ms(n: int) -> float:
         return collective_time_s("all_reduce", n, world_size, link) * 1e3
 
