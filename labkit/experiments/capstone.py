@@ -20,6 +20,7 @@ import torch.distributed as dist
 from labkit.errors import RankError
 from labkit.experiments.params import LabParams, param
 from labkit.experiments.script import LabRecords, Meaning, Where, main
+from labkit.experiments.unprofiled_run import MYSTERY_KINDS, kinds_that_show
 from labkit.memory import estimate
 from labkit.models import GPTConfig
 from labkit.trace.diagnose import findings
@@ -61,9 +62,10 @@ SEGMENT_SLACK_MIB = 10  # half a large segment (kLargeBuffer, 20 MiB) that a ste
 
 
 def dealt(on_gpu: bool) -> tuple[str, ...]:
-    """The mistakes a capstone is dealt from on this cluster: on GPUs not the logged accuracy, whose
-    all-gather of the logits hides under a launch-bound step (`unprofiled_run.kinds_that_show`)."""
-    return tuple(k for k in DEALT if not (on_gpu and k == "sync_logging"))
+    """The mistakes a capstone is dealt from on this cluster: those of lab 05 whose cost shows there
+    (`unprofiled_run.kinds_that_show`: on GPUs not the logged accuracy), and the OOM."""
+    shows = set(kinds_that_show(on_gpu))
+    return tuple(k for k in DEALT if k not in MYSTERY_KINDS or k in shows)
 
 
 @dataclass(frozen=True)
