@@ -255,10 +255,12 @@ class LabParams:
         equals the emulated default); elsewhere `self`."""
         if not on_gpu or not self.GPU_SIZES:
             return self
-        defaults = {
-            f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            for f in dataclasses.fields(self)
-        }
+        def default(f: dataclasses.Field) -> Any:
+            if f.default is dataclasses.MISSING:
+                return f.default_factory()  # type: ignore[misc]
+            return f.default
+
+        defaults = {f.name: default(f) for f in dataclasses.fields(self)}
         sized = {k: v for k, v in self.GPU_SIZES.items() if getattr(self, k) == defaults[k]}
         return dataclasses.replace(self, **sized)
 
