@@ -19,12 +19,13 @@ is higher-is-better, so its targets are the timed ones inverted (before/after <=
 The ring model overstates NCCL's small-message time (NCCL's LL protocol and NVLS pay less than 2(n-1)
 latencies), so the forecast's `before` is low; the lesson, small messages far below the link, is the same.
 
-`job_forecast` is lab 05's (one planted mistake of the course's training job, its fix, and the clean job):
-the training step from the layer costs above plus the optimizer and DDP's last bucket; each mistake adds what
-it does to that step (the in-loop tokenizer its share of the step's compute, as `tokenizer_passes` sizes it;
-one all-reduce per gradient after backward; one rank evaluating the whole held-out batch; every rank's logits
-all-gathered and scored between forward and backward), each operator at least its host dispatch, since on a
-launch-bound GPU device work only hides under the host's time where the device has slack.
+`job_forecast` is lab 05's and the capstone's (the course's training job with mistakes planted, fixed, and
+clean): `job_step_s` models one optimizer step of any `labkit.training.TrainingJob` from its knobs, part by
+part as the trainer runs them: the micro-batches' layer costs above, the in-loop tokenizer (its share of
+a forward and backward, as `tokenizer_passes` sizes it), the gradient all-reduce left after backward (DDP's
+last bucket, or one all-reduce per gradient), the optimizer, the held-out evaluation on the slowest rank, the
+logged accuracy (local, or every rank's logits all-gathered). Each operator costs at least its host
+dispatch: on a launch-bound GPU device work only hides under the host's time where the device has slack.
 
 `overlap_forecast` is lab 03's (gradient all-reduce after backward vs buckets during backward): compute from
 the model's FLOPs at a stated rate (`labkit.planner.forward_flops_per_token`, backward = 2x forward) with a
@@ -37,6 +38,7 @@ the buckets run under backward but not under forward, and the last bucket waits 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -54,15 +56,16 @@ from labkit.planner import forward_flops_per_token
 __all__ = [
     "DISPATCH_S",
     "FP32_PEAK_TFLOPS",
-    "JOB_KINDS",
     "KERNELS_PER_BLOCK",
     "TARGETS",
     "Forecast",
+    "JobKnobs",
     "bandwidth_forecast",
     "bucket_sizes",
     "bus_bandwidth_gb_s",
     "fp32_flops_per_s",
     "job_forecast",
+    "job_step_s",
     "lesson_shows",
     "overlap_forecast",
     "pipeline_forecast",
@@ -337,62 +340,108 @@ def _bytes_or_dispatch_s(nbytes: float, kernels: int) -> float:
     return max(nbytes / HBM_BYTES_PER_S, kernels * DISPATCH_S)
 
 
-JOB_KINDS = ("data_loading", "per_tensor_allreduce", "straggler", "sync_logging")
+# An optimizer step per parameter: (4-byte passes over memory, foreach operator calls). SGD without momentum
+# reads p and g and writes p; Adam reads p, g and both moments and writes p and the moments, in about a dozen
+# foreach calls (torch/optim/adam.py, _multi_tensor_adam), AdamW one more for its decoupled decay. Each
+# foreach call is counted as one dispatch: an assumption (a call launches a kernel per chunk of tensors).
+_OPTIMIZER_COST = {"sgd": (3, 3), "adam": (7, 12), "adamw": (8, 13)}
+
+
+class JobKnobs(Protocol):
+    """The knobs of a training job this model reads (`labkit.training.TrainingJob` has them)."""
+
+    global_batch: int
+    micro_batch: int
+    optimizer: str
+    checkpointing: bool
+    grad_sync: str
+    bucket_cap_mb: float
+    eval_samples: int
+    eval_rank: int | None
+    tokenize: str
+    tokenizer_cost: float
+    accuracy: str
+
+    def accumulation(self, world_size: int) -> int: ...
+
+
+def _grad_sync_s(job: JobKnobs, numels: list[int], world_size: int, link: Link) -> float:
+    """After backward: DDP's last bucket (the others ran under backward) and every bucket's dispatch; the
+    per-tensor loop's all-reduces one after another, each at least its dispatch."""
+    if job.grad_sync == "none" or world_size == 1:
+        return 0.0
+    if job.grad_sync == "per_tensor":
+        return sum(max(collective_time_s("all_reduce", 4 * n, world_size, link), DISPATCH_S) for n in numels)
+    buckets = bucket_sizes(numels, job.bucket_cap_mb * 2**20, 4)
+    last = collective_time_s("all_reduce", buckets[-1], world_size, link)
+    return max(last, DISPATCH_S) + len(buckets) * DISPATCH_S
+
+
+def job_step_s(
+    config: GPTConfig, job: JobKnobs, world_size: int, link: Link, flops_per_s: float
+) -> dict[str, float]:
+    """One optimizer step of `job` on paper, on the slowest of `world_size` ranks whose slowest link is
+    `link`: seconds per part, in the order `labkit.training.Trainer` runs them (module docstring)."""
+    micro_tokens = job.micro_batch * config.seq_len
+    numels = _param_numels(config)
+    compute = job.accumulation(world_size) * sum(_layer_costs_s(config, micro_tokens, flops_per_s))
+    if job.checkpointing:  # backward runs each block's forward again
+        compute *= 4 / 3
+    parts = {"forward and backward": compute}
+    if job.tokenize == "in_loader":
+        # `tokenizer_passes` sizes the tokenizer against one forward and backward of the rank's whole share
+        # in one batch; on a launch-bound GPU that costs about one micro-batch, not the step's
+        share_tokens = job.global_batch // world_size * config.seq_len
+        parts["tokenizer in the loop"] = job.tokenizer_cost * sum(
+            _layer_costs_s(config, share_tokens, flops_per_s)
+        )
+    parts["gradient all-reduce after backward"] = _grad_sync_s(job, numels, world_size, link)
+    passes, kernels = _OPTIMIZER_COST[job.optimizer]
+    parts["optimizer"] = _bytes_or_dispatch_s(passes * 4 * sum(numels), kernels)
+    parts["optimizer"] += _bytes_or_dispatch_s(4 * sum(numels), 1)  # zero_grad(set_to_none=False)
+    if job.eval_samples:
+        rows = job.eval_samples if job.eval_rank is not None else -(-job.eval_samples // world_size)
+        forwards = -(-rows // job.micro_batch)
+        parts["evaluation"] = forwards * _forward_s(config, micro_tokens, flops_per_s)
+    logits_bytes = micro_tokens * config.vocab_size * 4
+    if job.accuracy == "local":  # scored here, two numbers all-reduced asynchronously
+        parts["logged accuracy"] = _bytes_or_dispatch_s(logits_bytes, 4) + DISPATCH_S
+    elif job.accuracy == "gathered":  # every rank's logits all-gathered, blocking, then scored
+        gather = collective_time_s("all_gather", world_size * logits_bytes, world_size, link)
+        parts["logged accuracy"] = max(gather, DISPATCH_S) + _bytes_or_dispatch_s(
+            world_size * logits_bytes, 3
+        )
+    return parts
 
 
 def job_forecast(
     config: GPTConfig,
-    kind: str,
-    micro_batch: int,
+    planted: JobKnobs,
+    fixed: JobKnobs,
+    clean: JobKnobs,
     world_size: int,
     link: Link,
     flops_per_s: float,
     *,
-    bucket_cap_mb: float,
-    tokenizer_cost: float,
-    eval_samples: int,
+    lab: str = "05_unprofiled_run",
     where: str = "",
+    note: str = "",
 ) -> Forecast:
-    """Lab 05 on paper: the course's job (SGD, DDP) with the mistake `kind` planted (before), fixed (after)
-    and clean (limit), one micro-batch per step, on `world_size` ranks whose slowest link is `link`. Held to
-    the "share" targets: the mistake costs at least a fifth of the step and the fix takes most of it off."""
-    if kind not in JOB_KINDS:
-        raise ValueError(f"kind={kind!r} must be one of {', '.join(JOB_KINDS)}")
-    tokens = micro_batch * config.seq_len
-    numels = _param_numels(config)
-    train_s = sum(_layer_costs_s(config, tokens, flops_per_s))
-    optimizer_s = _bytes_or_dispatch_s(3 * 4 * sum(numels), 3)  # SGD (foreach): read p and g, write p
-    buckets = bucket_sizes(numels, bucket_cap_mb * 2**20, 4)
-    last_bucket_s = collective_time_s("all_reduce", buckets[-1], world_size, link)  # after backward's end
-    clean_s = train_s + optimizer_s + max(last_bucket_s, DISPATCH_S) + len(buckets) * DISPATCH_S
-    logits_bytes = tokens * config.vocab_size * 4
-    if kind == "data_loading":
-        before_s, after_s = clean_s + tokenizer_cost * train_s, clean_s
-        terms = {"tokenizer in the loop": tokenizer_cost * train_s * 1e3}
-    elif kind == "per_tensor_allreduce":
-        per_tensor = [
-            max(collective_time_s("all_reduce", 4 * n, world_size, link), DISPATCH_S) for n in numels
-        ]
-        before_s, after_s = train_s + optimizer_s + sum(per_tensor), clean_s
-        terms = {f"{len(numels)} all-reduces after backward": sum(per_tensor) * 1e3}
-    elif kind == "straggler":
-        forward_s = _forward_s(config, tokens, flops_per_s)
-        shared = -(-eval_samples // world_size)  # rows per rank, evaluated in micro-batches
-        before_s = clean_s + -(-eval_samples // micro_batch) * forward_s
-        after_s = clean_s + -(-shared // micro_batch) * forward_s
-        terms = {"one forward of a micro-batch": forward_s * 1e3}
-    else:  # sync_logging: all-gather the logits, score them all; fixed: score locally, all-reduce two numbers
-        gather_s = collective_time_s("all_gather", world_size * logits_bytes, world_size, link)
-        before_s = clean_s + max(gather_s, DISPATCH_S) + _bytes_or_dispatch_s(world_size * logits_bytes, 3)
-        after_s = clean_s + _bytes_or_dispatch_s(logits_bytes, 4) + DISPATCH_S
-        terms = {"all-gather of the logits": gather_s * 1e3}
+    """Labs 05 and 06 on paper: the course's job with mistakes planted (before), fixed (after) and clean
+    (limit), each step from `job_step_s`, on `world_size` ranks whose slowest link is `link`. Held to the
+    "share" targets: the mistakes cost at least a fifth of the step and the fix takes most of it off. The
+    terms are the planted job's parts that differ from the clean job's (ms)."""
+    before, after, limit = (
+        job_step_s(config, job, world_size, link, flops_per_s) for job in (planted, fixed, clean)
+    )
+    terms = {k: v * 1e3 for k, v in before.items() if abs(v - limit.get(k, 0.0)) > 1e-12}
     return Forecast(
-        "05_unprofiled_run",
-        before_s * 1e3,
-        after_s * 1e3,
-        clean_s * 1e3,
+        lab,
+        sum(before.values()) * 1e3,
+        sum(after.values()) * 1e3,
+        sum(limit.values()) * 1e3,
         where or f"{world_size} ranks on {link.name or 'a link'}",
-        {"training step": train_s * 1e3, **terms},
-        f"planted {kind}",
+        {"clean step": sum(limit.values()) * 1e3, **terms},
+        note,
         targets="share",
     )
