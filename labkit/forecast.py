@@ -13,6 +13,10 @@ head's FLOPs, the cross-entropy's and the embedding gradient's bytes at `HBM_BYT
 host dispatches), a send and a receive of the activations at every stage boundary, and the step from
 `labkit.pipeline_plan` (`pipeline_step_time`, `balance`, `ideal_step_time` for the limit).
 
+`layout_forecast` is lab 01's (tensor parallelism over every GPU against the planner's pick): the planner's
+own predictions (`labkit.planner.plan`), whose compute, tp, pp and dp terms each pay at least their
+operators' host dispatches (`Rates.dispatch_s`), so a launch-bound layer is not made faster by splitting it.
+
 `bandwidth_forecast` is lab 00's (the all-reduce bus bandwidth of the sweep's smallest and largest message
 against the link's bandwidth): the α-β ring model of `labkit.links`, busbw as nccl-tests defines it. Bandwidth
 is higher-is-better, so its targets are the timed ones inverted (before/after <= 0.8, limit/after <= 1.25).
@@ -42,6 +46,7 @@ from typing import Protocol
 
 import torch
 
+from labkit.cluster import Cluster
 from labkit.links import Link, bus_bandwidth_factor, collective_time_s
 from labkit.models import GPT, GPTConfig
 from labkit.pipeline_plan import (
@@ -51,7 +56,7 @@ from labkit.pipeline_plan import (
     pipeline_step_time,
     stage_costs,
 )
-from labkit.planner import forward_flops_per_token
+from labkit.planner import DISPATCH_S, KERNELS_PER_BLOCK, Rates, forward_flops_per_token, plan
 
 __all__ = [
     "DISPATCH_S",
@@ -66,6 +71,7 @@ __all__ = [
     "fp32_flops_per_s",
     "job_forecast",
     "job_step_s",
+    "layout_forecast",
     "lesson_shows",
     "overlap_forecast",
     "pipeline_forecast",
@@ -74,10 +80,6 @@ __all__ = [
 
 TARGET_RATIO = 0.8  # after / before at most: the fix moves the number
 TARGET_TO_LIMIT = 1.25  # after / limit at most: near what no schedule beats
-# Eager PyTorch spends some 10-20 us of host time per operator (dispatch and launch); a GPT block's forward
-# and backward run about 30 of them. A step is never faster than the host can issue it.
-DISPATCH_S = 15e-6
-KERNELS_PER_BLOCK = 30
 # Dense FP32 (not tensor-core) peak per GPU, TFLOP/s, from NVIDIA's datasheets: the labs train in fp32 with
 # TF32 off (PyTorch's default for matmuls), so their matmuls run at this rate, not at the 16-bit peak.
 FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5}
@@ -202,6 +204,45 @@ def bandwidth_forecast(sizes: list[int], world_size: int, link: Link, *, where: 
         {f"all_reduce of {small} B": ms(small), f"all_reduce of {large} B": ms(large)},
         unit="GB/s",
         targets="bandwidth",
+    )
+
+
+def layout_forecast(
+    config: GPTConfig,
+    cluster: Cluster,
+    global_batch: int,
+    micro_batch_sizes: tuple[int, ...],
+    rates: Rates,
+    *,
+    where: str = "",
+) -> Forecast:
+    """Lab 01 on paper: tensor parallelism over every GPU of `cluster` (before) against the planner's pick
+    (after), as the lab plans (fp32, Adam, no ZeRO, no checkpointing, `cluster.memory_gib` per GPU). The limit
+    is the fastest layout the planner accepts, on paper the pick itself (the lab's limit is the fastest one
+    measured), so only after/before tells here."""
+    the_plan = plan(
+        config,
+        cluster,
+        global_batch,
+        precision="fp32",
+        rates=rates,
+        micro_batch_sizes=micro_batch_sizes,
+        zero_stages=(0,),
+        checkpointing=(False,),
+    )
+    tp_all = the_plan.candidate(1, cluster.world_size, 1)
+    if tp_all.predicted_ms is None:
+        raise ValueError(f"tensor parallelism over {cluster.world_size} GPUs: {tp_all.reason}")
+    pick = the_plan.best
+    return Forecast(
+        "01_parallelism_choice",
+        tp_all.predicted_ms,
+        pick.predicted_ms,
+        min(c.predicted_ms for c in the_plan.candidates if c.ok),
+        where or f"{cluster.nodes} x {cluster.gpus_per_node} GPUs",
+        {f"{tp_all.layout} {k}": v for k, v in tp_all.parts_ms.items() if v}
+        | {f"{pick.layout} {k}": v for k, v in pick.parts_ms.items() if v},
+        f"the pick: {pick.layout}",
     )
 
 

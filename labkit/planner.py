@@ -34,19 +34,38 @@ from labkit.links import Link, collective_time_s
 from labkit.memory import MemoryBreakdown, blocks_per_stage, check_model_parallel, estimate, stage_params
 from labkit.models import GPTConfig
 
-__all__ = ["Candidate", "Plan", "Rates", "forward_flops_per_token", "plan", "spearman", "tp_comm_s"]
+__all__ = [
+    "DISPATCH_S",
+    "KERNELS_PER_BLOCK",
+    "Candidate",
+    "Plan",
+    "Rates",
+    "forward_flops_per_token",
+    "plan",
+    "spearman",
+    "tp_comm_s",
+]
 
 _GIB = 2**30
 
 
+# Eager PyTorch spends some 10-20 us of host time per operator (dispatch and launch); a GPT block's forward
+# and backward run about 30 of them. On a GPU a step is never faster than the host can issue it: a small
+# layer is launch-bound, and splitting it over tp ranks does not make it faster.
+DISPATCH_S = 15e-6
+KERNELS_PER_BLOCK = 30
+
+
 @dataclass(frozen=True)
 class Rates:
-    """How fast one GPU computes: `flops_per_s` on the model's matmuls, and its optimizer step per
-    parameter."""
+    """How fast one GPU computes: `flops_per_s` on the model's matmuls, its optimizer step per parameter,
+    and `dispatch_s`, the host's time per operator, below which no operator runs (0 where compute is
+    synchronous, as on the emulated cluster, whose CPU time is the operator's own)."""
 
     flops_per_s: float
     optimizer_s_per_param: float = 0.0
     source: str = ""
+    dispatch_s: float = 0.0
 
 
 def forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> tuple[float, float]:
@@ -185,6 +204,7 @@ def _cluster_rates(cluster: Cluster, efficiency: float) -> Rates:
             cluster.peak_tflops * 1e12 * efficiency,
             0.0,
             f"{cluster.peak_tflops:g} TFLOP/s peak x {efficiency:.0%} efficiency, optimizer not counted",
+            DISPATCH_S,
         )
     if cluster.is_emulated and cluster.cpu_gflops:
         return Rates(
@@ -236,7 +256,8 @@ def _predict(
     slots = []
     for s, blocks in enumerate(stage_blocks):
         flops = tokens * passes * (blocks * block_f + (head_f if s == pp - 1 else 0)) / tp
-        slots.append(flops / rates.flops_per_s)
+        kernels = passes / 3 * KERNELS_PER_BLOCK * blocks + (KERNELS_PER_BLOCK / 3 if s == pp - 1 else 0)
+        slots.append(max(flops / rates.flops_per_s, kernels * rates.dispatch_s))
     compute = max(slots)
     link = {k: (topo.inter_node if where == "inter" else topo.intra_node) for k, where in c.links.items()}
     tp_s = pp_s = dp_s = 0.0
@@ -244,12 +265,15 @@ def _predict(
         tp_s = tp_comm_s(
             config, c.micro_batch, tp, link["tp"], max(stage_blocks), c.checkpointing, seq, precision
         )
+        calls = max(stage_blocks) * (6 if c.checkpointing else 4)
+        tp_s = max(tp_s, calls * rates.dispatch_s)
     if pp > 1:
         # Each micro-batch crosses every boundary twice (activation down, gradient back); a slot pays the
         # mean boundary's pair of transfers (a boundary inside a node is cheaper than the one between nodes).
         group = c.layout.groups_of("pp")[0]
         pairs = [topo.slowest_link([a, b]) for a, b in itertools.pairwise(group)]
         pp_s = 2 * sum(collective_time_s("send", act_bytes, 2, lk) for lk in pairs) / len(pairs)
+        pp_s = max(pp_s, 2 * rates.dispatch_s)
     m = c.micro_batches
     slot = compute + tp_s + pp_s
     params = max(stage_params(config, tp, pp, s) for s in range(pp))  # the largest stage's dp group is last
@@ -258,6 +282,7 @@ def _predict(
         dp_s = collective_time_s("all_reduce", grad_bytes, dp, link["dp"]) * (
             1.5 if c.zero_stage >= 3 else 1.0
         )
+        dp_s = max(dp_s, rates.dispatch_s)
     opt_params = params / dp if c.zero_stage >= 1 else params
     opt_s = opt_params * rates.optimizer_s_per_param
     c.parts_ms = {

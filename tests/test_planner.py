@@ -11,7 +11,7 @@ from labkit import Cluster
 from labkit.links import Link, collective_time_s
 from labkit.memory import estimate
 from labkit.models import GPTConfig
-from labkit.planner import Rates, plan, spearman, tp_comm_s
+from labkit.planner import DISPATCH_S, KERNELS_PER_BLOCK, Rates, plan, spearman, tp_comm_s
 
 CONFIG = GPTConfig(n_layers=8, d_model=128, n_heads=8, vocab_size=1024, seq_len=64)
 RATES = Rates(50e9, 5e-9, "fixed for the test")
@@ -86,3 +86,25 @@ def test_megatron_configurations_keep_tensor_parallelism_inside_a_dgx_node():
         )
         assert 2 <= p.best.tp <= 8 and p.best.memory.peak <= 0.9 * 80 * 2**30
         assert p.candidate(gpus // 16, 16, 1).reason.startswith(("tp group crosses nodes", "does not"))
+
+
+def test_a_launch_bound_layer_is_not_made_faster_by_tensor_parallelism():
+    # On a GPU every operator costs at least its host dispatch (Rates.dispatch_s): at lab 01's sizes the
+    # blocks are launch-bound, so tp=8's 1/8 of the FLOPs takes as long per micro-batch as all of them
+    node = Cluster.preset("dgx-h100")
+    args = dict(precision="fp32", micro_batch_sizes=(4,), zero_stages=(0,), checkpointing=(False,))
+    no_floor = plan(CONFIG, node, 32, rates=Rates(47e12), **args)
+    floor = plan(CONFIG, node, 32, rates=Rates(47e12, dispatch_s=DISPATCH_S), **args)
+
+    def per_micro_batch(p, tp):
+        c = p.candidate(8 // tp, tp, 1)
+        return c.parts_ms["compute"] / c.micro_batches
+
+    assert per_micro_batch(no_floor, 1) == pytest.approx(8 * per_micro_batch(no_floor, 8))
+    assert per_micro_batch(floor, 8) == per_micro_batch(floor, 1)
+    # the floor: 30 operators per block and a third of that for the head, 15 us each
+    assert per_micro_batch(floor, 1) == pytest.approx((8 * KERNELS_PER_BLOCK + 10) * DISPATCH_S * 1e3)
+    # and tp's 4 all-reduces per block each take at least a dispatch too
+    assert floor.candidate(1, 8, 1).parts_ms["tp"] >= 8 * 4 * 4 * DISPATCH_S * 1e3 * 0.999
+    # a described cluster's rates carry the floor; the emulated cluster's do not (its CPU time is the work)
+    assert plan(CONFIG, node, 32, **args).rates.dispatch_s == DISPATCH_S

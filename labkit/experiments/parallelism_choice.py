@@ -31,7 +31,7 @@ from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.groups import RankGroups, make_groups
 from labkit.parallel.pipeline import StageLog, clock_stages, even_split, make_schedule, pipeline_stages
 from labkit.parallel.tensor import TPStats, shard_state, tensor_parallel
-from labkit.planner import Rates, forward_flops_per_token, plan, spearman
+from labkit.planner import DISPATCH_S, Rates, forward_flops_per_token, plan, spearman
 from labkit.training.reference import Reference, rank_rows
 
 __all__ = [
@@ -267,9 +267,10 @@ def summarize_layout(results: list[LayoutRankResult]) -> LayoutSummary:
 
 def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: int = 0) -> Rates:
     """This rank's speed on the model: its FLOP/s in forward + backward at `micro_batch`, and Adam's seconds
-    per
-    parameter, best of `repeats`, on the rank's timer (`labkit.timer.clock`: CPU time on the virtual clock,
-    the synchronised wall clock on a GPU)."""
+    per parameter, best of `repeats`, on the rank's timer (`labkit.timer.clock`: CPU time on the virtual
+    clock, the synchronised wall clock on a GPU). On a GPU also the host's time per operator
+    (`labkit.planner.DISPATCH_S`, an assumption, not measured), the floor of a launch-bound layer: split over
+    tp ranks, its 1/tp of the FLOPs still take every operator's dispatch."""
     dev = runtime.device()
     model = seeded_model(config, seed, dev)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -292,6 +293,7 @@ def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: i
         best_opt / n,
         f"measured on {where}: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
         f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter",
+        DISPATCH_S if dev.type == "cuda" else 0.0,
     )
 
 
@@ -304,6 +306,7 @@ def median_rates(per_rank: list[Rates]) -> Rates:
         opt,
         f"measured on {len(per_rank)} ranks at once: {flops / 1e9:.1f} GFLOP/s per rank in "
         f"forward + backward, Adam {opt * 1e9:.2f} ns per parameter (medians)",
+        max(r.dispatch_s for r in per_rank),
     )
 
 
