@@ -8,7 +8,9 @@ timeline is closest to the device:
   not wait, communication each collective from issue to completion, phases (`phases.py`) named spans;
 * **GPU kernels** in a host trace: compute is the union of non-NCCL kernels, communication the NCCL
   kernels, so host-side spans that only enqueue work (`backward`, `optimizer.step`) never count as
-  overlap; each NCCL kernel is one of the step's collectives (`step_collectives`, sizes unknown);
+  overlap; each NCCL kernel is one of the step's collectives (`step_collectives`), its size from the
+  arguments Kineto copies onto it from the launching `record_param_comms` ("In msg nelems", "Out msg
+  nelems", "dtype": `collective_bytes`);
 * **CPU host trace** alone: the lanes of `timeline.step_lanes`; each `gloo:*` span (gloo's own thread runs
   the transfer, with its real duration: `commlog.py`) is one of the step's collectives.
 
@@ -42,7 +44,7 @@ from labkit.trace.timeline import (
     union,
 )
 
-__all__ = ["Collective", "RankBreakdown", "analyze", "read_timelines", "trace_files"]
+__all__ = ["Collective", "RankBreakdown", "analyze", "collective_bytes", "read_timelines", "trace_files"]
 
 Interval = tuple[float, float]
 
@@ -54,6 +56,27 @@ HOST_SYNC_OPS = (
     "cudaEventSynchronize",
 )
 DATA_PREFIXES = ("enumerate(DataLoader)", PHASE_PREFIX + "data")
+# Bytes per element of the "dtype" Kineto writes for a collective (c10's ScalarType names)
+_DTYPE_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Int": 4, "Long": 8, "Short": 2,
+    "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
+}
+
+
+def collective_bytes(args: dict[str, Any] | None) -> int | None:
+    """A collective's size in bytes from its trace event's arguments: labkit's own "bytes", or Kineto's
+    element counts and dtype (the larger of the input and the output message: an all-gather's whole
+    output, as nccl-tests counts it). None where the trace does not say."""
+    if not args:
+        return None
+    if isinstance(args.get("bytes"), int):
+        return args["bytes"]
+    counts = [args.get(k) for k in ("In msg nelems", "Out msg nelems")]
+    counts = [c for c in counts if isinstance(c, int) and not isinstance(c, bool)]
+    size = _DTYPE_BYTES.get(str(args.get("dtype")))
+    if not counts or size is None:
+        return None
+    return max(counts) * size
 
 
 @dataclass(frozen=True)
@@ -201,7 +224,7 @@ def _collectives(
                 e.name.removeprefix(prefix),
                 (start - lo) / 1e3,
                 (end - lo) / 1e3,
-                (e.args or {}).get("bytes"),
+                collective_bytes(e.args),
                 waited / 1e3,
                 before / 1e3,
                 after / 1e3,
@@ -280,7 +303,7 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
                 nsync=len(syncs),
                 colls=colls,
                 ncoll=ncoll,
-                bytes=0,
+                bytes=sum(c.nbytes or 0 for c in colls),
                 host_step=s,
             )
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from labkit.trace import read_timelines
-from labkit.trace.analyze import analyze, trace_files
+from labkit.trace.analyze import analyze, collective_bytes, trace_files
 from labkit.trace.timeline import STEP_END_SYNC
 
 
@@ -102,3 +102,23 @@ def test_read_timelines_gives_each_ranks_device_timeline_in_rank_order(tmp_path,
     assert (first.rank, second.rank) == (0, 1)
     assert [e.name for e in second.events if e.category == "labkit_comm"] == ["comm:all_reduce #1"]
     assert [t.rank for t in read_timelines([tmp_path / "trace_rank1.json"])] == [1]
+
+
+def test_an_nccl_kernels_size_comes_from_the_arguments_kineto_copies_onto_it(tmp_path, traces):
+    # Kineto writes the launching record_param_comms' sizes on the NCCL kernel (as in HTA's test trace
+    # tests/data/nccl_parser_config/nccl_data.json.gz: "In msg nelems" 6637568, "dtype" "Float")
+    reduce = {"In msg nelems": 6637568, "Out msg nelems": 6637568, "dtype": "Float"}
+    gather = {"In msg nelems": 1024, "Out msg nelems": 2048, "dtype": "BFloat16"}
+    events = [
+        traces.step(),
+        traces.x("sm90_gemm", "kernel", 0, 5, tid=7),
+        traces.x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 5, 2, tid=8, **reduce),
+        traces.x("ncclDevKernel_AllGather_RING_LL", "kernel", 7, 1, tid=8, **gather),
+    ]
+    traces.write(tmp_path / "trace_rank0.json", events, 0)
+    (b,) = analyze([tmp_path / "trace_rank0.json"])
+    assert [c.nbytes for c in b.step_collectives] == [6637568 * 4, 2048 * 2]  # an all-gather's whole output
+    assert b.comm_bytes == 6637568 * 4 + 4096
+    # a kernel without them (an older Kineto) has no size; a dtype not known gives none, not a guess
+    assert collective_bytes({"In msg nelems": 8, "dtype": "ComplexFloat"}) is None
+    assert collective_bytes(None) is None and collective_bytes({"bytes": 12}) == 12
