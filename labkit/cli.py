@@ -39,17 +39,21 @@ def _root(arg: str | None) -> Path:
 
 
 def _where_labs_run(gpus: int) -> None:
-    """One line per lab: on NCCL when this node has a GPU per rank of its default run, else on the emulated
-    cluster (what cluster='auto' picks), and why."""
+    """One line per lab: on NCCL when this node has a GPU per rank of its default run (on a one-GPU node the
+    ranks it takes there, `Params.for_machine`), else on the emulated cluster, and why."""
     from labkit.experiments import registry
 
-    print("labs      where each runs here with cluster='auto' (its default ranks):")
+    print("labs      where each runs here by default (its cluster, its ranks):")
     for name in registry.LABS:
-        ranks = registry.params_of(name)().ranks or 2
-        if gpus >= ranks:
-            where = f"GPUs, {ranks} ranks on NCCL"
+        params = registry.params_of(name)().for_machine(gpus)
+        ranks = params.ranks or 2
+        why = f": {params.ONE_GPU}" if gpus == 1 and params.ONE_GPU else ""
+        if params.cluster == "cpu":
+            where = f"emulated cluster: {ranks} ranks, its default: {params.ONE_GPU or 'cluster=cpu'}"
+        elif gpus >= ranks:
+            where = f"GPU{'s' if ranks > 1 else ''}: {ranks} rank{'s' if ranks > 1 else ''} on NCCL{why}"
         elif gpus:
-            where = f"emulated cluster: {ranks} ranks, this node has {gpus} GPU (one-rank parts use it)"
+            where = f"emulated cluster: {ranks} ranks, this node has {gpus} GPU{'s' if gpus > 1 else ''}{why}"
         else:
             where = f"emulated cluster: {ranks} ranks, no GPU here"
         print(f"          {name:24} {where}")

@@ -115,4 +115,10 @@ def test_doctor_on_a_node_with_one_gpu_says_which_labs_use_it(capsys, monkeypatc
     assert main(["doctor", "--cluster", "auto"]) == 0
     out = capsys.readouterr().out
     assert "no usable GPUs" not in out and "verdict: READY (emulated, 1 GPU)" in out
-    assert "03_unoverlapped_comms" in out and "this node has 1 GPU (one-rank parts use it)" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("          0")}
+    three = lines["03_unoverlapped_comms"]
+    assert "this node has 1 GPU: its lesson is gradient communication between ranks" in three
+    # lab 02 takes one rank there and runs it on the GPU; lab 01 stays on its emulated two nodes
+    assert "GPU: 1 rank on NCCL: its lessons are one rank's memory" in lines["02_oom_batch"]
+    assert "its default: it needs two nodes" in lines["01_parallelism_choice"]
+    assert "profiles the layers on this GPU" in lines["04_imbalanced_pipeline"]

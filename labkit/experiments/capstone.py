@@ -209,6 +209,7 @@ class Params(LabParams):
     trace_dir: str = param("traces_06", "the folder of the runs' traces (replaced on each run)")
 
     LAB = "06_capstone"
+    ONE_GPU = "a data-parallel job of two ranks"
     TEST = {"cluster": "cpu"}
     SMOKE = {"steps": 1, "trace_steps": 2}
 

@@ -44,6 +44,7 @@ class Params(LabParams):
     )
 
     LAB = "00_cluster_tour"
+    ONE_GPU = "its lesson is the link between GPUs"
     TEST = {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 20}
     SMOKE = {"sizes_kib": [4, 64], "iters": 3}
 

@@ -261,7 +261,9 @@ def max_micro_batch(
 class Params(LabParams):
     """Lab 02's parameters."""
 
-    world_size: int = param(2, "data-parallel ranks, one per GPU or emulated GPU", minimum=1)
+    world_size: int = param(
+        2, "data-parallel ranks, one per GPU or emulated GPU (on a machine with one GPU: 1, on it)", minimum=1
+    )
     memory_mib: float = param(
         28,
         "memory of each rank: the emulated budget, or that much of each GPU above its warm baseline",
@@ -307,6 +309,8 @@ class Params(LabParams):
     GPU_SIZES = {"memory_mib": 48.0}
     GPU_SEQUENCES_PER_RANK = 64
     LAB = "02_oom_batch"
+    ONE_GPU_RANKS = 1
+    ONE_GPU = "its lessons are one rank's memory, and DDP on one rank still buckets and all-reduces"
     TEST = {"cluster": "cpu", "big_preset": "gpt2"}  # FakeTensors of gpt2, not of 7B: 1 s, not 9
     # the per-rank share stays 32 at any world size: the step as written needs 4.3 MiB, the fixed one 0.7
     SMOKE = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "seq_len": 16, "memory_mib": 1.0}

@@ -347,6 +347,7 @@ class Params(LabParams):
     steps: int = param(2, "measured steps per layout (after one warm-up step)", minimum=1)
 
     LAB = "01_parallelism_choice"
+    ONE_GPU = "it needs two nodes; torchrun across nodes runs it on GPUs"
     TEST = {"cluster": "cpu", "steps": 1}
     SMOKE = {
         "n_layers": 2,

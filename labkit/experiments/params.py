@@ -134,6 +134,11 @@ class LabParams:
     # On GPUs, the values that make the lesson show there (chosen on paper with `labkit.forecast`), for the
     # fields left at their emulated-cluster default; `gpu_sized` applies them
     GPU_SIZES: ClassVar[Mapping[str, Any]] = {}
+    # On a machine with exactly one GPU, where the usual ranks would run on the emulated cluster and leave the
+    # GPU idle: the ranks the lab takes there (None: it keeps its ranks there, emulated), and one line on
+    # what runs where and why (`labkit doctor` prints it)
+    ONE_GPU_RANKS: ClassVar[int | None] = None
+    ONE_GPU: ClassVar[str] = ""
 
     # ----------------------------------------------------------------- checks
 
@@ -224,7 +229,7 @@ class LabParams:
     def from_cell(cls: type[P], namespace: Mapping[str, Any], on_gpu: bool | None = None) -> P:
         """In a notebook: the parameters cell's values (after papermill's), checked and resolved."""
         values = {k: namespace[k] for k in cls.field_docs() if k in namespace}
-        made = cls.make(values, "cell")
+        made = cls.make(values, "cell").for_machine()
         if on_gpu is None:
             on_gpu = not Cluster.resolve(made.cluster, max(1, made.ranks or 1)).is_emulated
         try:
@@ -244,6 +249,16 @@ class LabParams:
         if not self.RANKS:
             return self
         return dataclasses.replace(self, **{self.RANKS: ranks})
+
+    def for_machine(self: P, gpus: int | None = None) -> P:
+        """On a machine with exactly one GPU (`gpus`, default: counted here), `ONE_GPU_RANKS` ranks where the
+        lab has them, its ranks are still at their default and its cluster may be a GPU; else `self`."""
+        if self.ONE_GPU_RANKS is None or not self.RANKS or self.cluster not in ("auto", "gpu"):
+            return self
+        if (Cluster.detect().gpu_count if gpus is None else gpus) != 1:
+            return self
+        (field,) = [f for f in dataclasses.fields(self) if f.name == self.RANKS]
+        return self.with_ranks(self.ONE_GPU_RANKS) if self.ranks == field.default else self
 
     def resolve(self: P, *, on_gpu: bool = False) -> P:
         """Fill in the defaults that depend on the ranks (and on whether they are GPUs); check what needs

@@ -216,6 +216,8 @@ def run_lab(module: str, argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         params = params_class.from_text(args.set, "set", base)
+        if not getattr(args, "world_size", None) and not torchrun.under_torchrun():
+            params = params.for_machine()  # one rank on a one-GPU machine, for a lab that has it
         w = where(params.cluster, getattr(args, "world_size", None) or params.ranks or 2)
         params = params.with_ranks(w.world_size).resolve(on_gpu=w.on_gpu)
         if w.rank() == 0:

@@ -56,6 +56,7 @@ class Params(LabParams):
 
     GPT_FIXED = {"n_heads": 4}
     LAB = "05_unprofiled_run"
+    ONE_GPU = "a straggler and the all-reduces need two ranks"
     TEST = {
         "cluster": "cpu"
     }  # 3 timed steps: the median of 2 was one slow step of the host away from failing

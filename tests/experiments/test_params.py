@@ -181,3 +181,15 @@ def test_each_labs_test_and_smoke_runs_are_its_own_parameters(lab):
     params.make(dict(params.TEST)).resolve(on_gpu=False)
     smoke = params.make(dict(params.SMOKE)).with_ranks(2).resolve(on_gpu=False)
     assert smoke.ranks == 2
+
+
+def test_on_a_machine_with_one_gpu_lab_02_takes_one_rank_on_it_and_the_others_keep_theirs():
+    from labkit.experiments.oom_batch import Params as Lab02
+    from labkit.experiments.unoverlapped_comms import Params as Lab03
+
+    assert Lab02().for_machine(1).world_size == 1
+    assert Lab02().for_machine(0).world_size == 2 and Lab02().for_machine(8).world_size == 2
+    # a value the user set is kept (one equal to the default reads as unset, as GPU sizes do)
+    assert Lab02(world_size=3).for_machine(1).world_size == 3
+    assert Lab02(cluster="cpu").for_machine(1).world_size == 2  # the emulated cluster asked for
+    assert Lab03().for_machine(1).world_size == 2  # it needs two ranks
