@@ -5,7 +5,10 @@
 * `capture.py`: `capture`, a bounded profiler run per rank with the `CommLog` merged in;
 * `device.py`: the emulated device timeline in virtual time, written next to the host trace, and
   `read_timeline`, a rank's device timeline (that one, or a GPU trace's kernels);
-* `timeline.py`: `read_trace`, lanes (compute, comm, idle) per step, `overlap`;
+* `timeline.py`: `read_trace`, lanes (compute, comm, memory, idle) per step, each GPU event in the step that
+  launched it, `overlap`;
+* `temporal.py`: `temporal_breakdown`, a rank's GPU time over its steps as Holistic Trace Analysis measures
+  it (idle, compute, communication, memory, overlap);
 * `plots.py`: `plot_timeline`, and `plot_pipeline` (a pipeline step as a Gantt chart);
 * `phases.py`: `phase`, a named region in the host trace, NVTX and the device timeline;
 * `analyze.py`: `analyze`, where each rank's step went (compute, comm, waiting, data, host syncs), and
@@ -21,6 +24,7 @@ from labkit.trace.device import read_timeline
 from labkit.trace.diagnose import Diagnosis, diagnose, findings
 from labkit.trace.phases import phase
 from labkit.trace.plots import mark_diagnosis, plot_pipeline, plot_timeline
+from labkit.trace.temporal import TemporalBreakdown, temporal_breakdown
 from labkit.trace.timeline import Step, Trace, TraceEvent, classify, overlap, read_trace, step_lanes
 
 __all__ = [
@@ -29,6 +33,7 @@ __all__ = [
     "Diagnosis",
     "RankBreakdown",
     "Step",
+    "TemporalBreakdown",
     "Trace",
     "TraceEvent",
     "analyze",
@@ -45,4 +50,5 @@ __all__ = [
     "read_timelines",
     "read_trace",
     "step_lanes",
+    "temporal_breakdown",
 ]

@@ -7,15 +7,18 @@ timeline is closest to the device:
 * **emulated device timeline** (`*.device.json`, the virtual clock): compute is the time the rank did
   not wait, communication each collective from issue to completion, phases (`phases.py`) named spans;
 * **GPU kernels** in a host trace: compute is the union of non-NCCL kernels, communication the NCCL
-  kernels, so host-side spans that only enqueue work (`backward`, `optimizer.step`) never count as
-  overlap; each NCCL kernel is one of the step's collectives (`step_collectives`), its size from the
-  arguments Kineto copies onto it from the launching `record_param_comms` ("In msg nelems", "Out msg
-  nelems", "dtype": `collective_bytes`);
+  kernels, memory the copies and memsets (neither), each kernel in the step that launched it
+  (`timeline.step_window`), so host-side spans that only enqueue work (`backward`, `optimizer.step`)
+  never count as overlap; each NCCL kernel is one of the step's collectives (`step_collectives`), its
+  size from the arguments Kineto copies onto it from the launching `record_param_comms` ("In msg
+  nelems", "Out msg nelems", "dtype": `collective_bytes`);
 * **CPU host trace** alone: the lanes of `timeline.step_lanes`; each `gloo:*` span (gloo's own thread runs
   the transfer, with its real duration: `commlog.py`) is one of the step's collectives.
 
-From the host trace it also takes the operators with the most self time, data loading (PyTorch's
-"enumerate(DataLoader)#..." spans and `phase("data...")`) and host synchronisations (`aten::item`,
+From the host trace it also takes the operators with the most self time, data loading (`data_loading.py`:
+PyTorch's "enumerate(DataLoader)#..." spans, Python work outside any operator before the forward, and
+`phase("data...")`; on the emulated device timeline, where the job named none with `phase`, the host's share
+of its step carried over to the device step) and host synchronisations (`aten::item`,
 `aten::_local_scalar_dense`, `cuda*Synchronize`; not capture's own wait at the end of each step,
 `STEP_END_SYNC`). HolisticTraceAnalysis is not needed (it fails on
 CPU-only traces). `diagnose.py` turns the breakdown into a verdict.
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.trace.commlog import COMM_CATEGORY
+from labkit.trace.data_loading import data_time
 from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
 from labkit.trace.timeline import (
     STEP_END_SYNC,
@@ -39,7 +43,9 @@ from labkit.trace.timeline import (
     TraceEvent,
     load_json,
     read_trace,
+    step_device_events,
     step_lanes,
+    step_window,
     subtract,
     union,
 )
@@ -105,13 +111,16 @@ class RankBreakdown:
     comm_ms: float  # collectives in flight (union)
     wait_ms: float  # blocked or idle: the step less compute
     exposed_comm_ms: float  # communication not hidden under compute
-    data_ms: float
+    data_ms: float  # loading data in the training process: DataLoader spans, Python work before the forward
     host_sync_ms: float
     host_syncs: float  # host synchronisations per step
     collectives: float  # per step
     comm_bytes: float  # per step (0 when the trace does not say)
     top_ops: list[tuple[str, float]] = field(default_factory=list)  # (operator, self ms per step)
     step_collectives: list[Collective] = field(default_factory=list)  # of the last profiled step
+    memory_ms: float = 0.0  # the device's copies and memsets (union), neither compute nor communication
+    host_python_ms: float = 0.0  # of data_ms: Python work outside any torch operator before the forward
+    note: str = ""  # how the trace was read, where not the usual way (`timeline.Trace.note`)
 
     @property
     def overlap_pct(self) -> float:
@@ -119,18 +128,25 @@ class RankBreakdown:
         return 100.0 * (1 - self.exposed_comm_ms / self.comm_ms) if self.comm_ms > 0 else 0.0
 
 
-def _rank_of(path: Path) -> int:
-    m = re.search(r"rank(\d+)", path.name)
-    if m:
-        return int(m.group(1))
-    info = load_json(path).get("distributedInfo", {})
-    return int(info.get("rank", 0)) if isinstance(info, dict) else 0
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
-def trace_files(traces: str | Path | Sequence[str | Path]) -> list[tuple[int, Path | None, Path | None]]:
-    """(rank, host trace, device trace) of one run: from a directory, or a list of trace paths."""
-    from labkit.trace.device import device_trace_path
+def _rank_of(path: Path) -> int | None:
+    """The rank a trace file is of: the `distributedInfo` Kineto writes in it, else its name (`rank3`,
+    `rank-3`, `rank_3`), else None."""
+    try:
+        data = load_json(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable trace: {exc}") from None
+    info = data.get("distributedInfo") if isinstance(data, dict) else None
+    if isinstance(info, dict) and isinstance(info.get("rank"), int):
+        return info["rank"]
+    m = _RANK_IN_NAME.search(path.name)
+    return int(m.group(1)) if m else None
 
+
+def _listed(traces: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The trace files of a directory (sorted), or the paths given; each must exist."""
     if isinstance(traces, (str, Path)):
         root = Path(traces)
         if not root.is_dir():
@@ -142,13 +158,37 @@ def trace_files(traces: str | Path | Sequence[str | Path]) -> list[tuple[int, Pa
         paths = [Path(p) for p in traces]
     if not paths:
         raise ValueError(f"no trace files in {traces!r}: capture a run first (labkit.trace.capture)")
-    by_rank: dict[int, list[Path | None]] = {}
     for p in paths:
         if not p.exists():
             raise ValueError(f"{p} does not exist")
-        device = ".device." in p.name
-        entry = by_rank.setdefault(_rank_of(p), [None, None])
-        entry[1 if device else 0] = p
+    return paths
+
+
+def trace_files(traces: str | Path | Sequence[str | Path]) -> list[tuple[int, Path | None, Path | None]]:
+    """(rank, host trace, device trace) of one run: from a directory, or a list of trace paths. Each file's
+    rank is `_rank_of`'s; one file without a rank is rank 0; two files of one rank, or several where one has
+    no rank, are an error naming them."""
+    from labkit.trace.device import device_trace_path
+
+    paths = _listed(traces)
+    ranks = {p: _rank_of(p) for p in paths}
+    unknown = [str(p) for p, r in ranks.items() if r is None]
+    if unknown and len(paths) > 1:
+        raise ValueError(
+            f"no rank in {', '.join(unknown)} (no distributedInfo, no rank in the name) among {len(paths)} "
+            "traces: name each file after its rank (trace_rank0.json) or pass one trace"
+        )
+    by_rank: dict[int, list[Path | None]] = {}
+    for p in paths:
+        slot = 1 if ".device." in p.name else 0
+        entry = by_rank.setdefault(ranks[p] or 0, [None, None])
+        if entry[slot] is not None:
+            kind = "device timeline" if slot else "trace"
+            raise ValueError(
+                f"{entry[slot]} and {p} are both rank {ranks[p] or 0}'s {kind}: pass one run's traces, one "
+                "file per rank"
+            )
+        entry[slot] = p
     for entry in by_rank.values():
         if entry[0] is not None and entry[1] is None and device_trace_path(entry[0]).exists():
             entry[1] = device_trace_path(entry[0])
@@ -183,13 +223,6 @@ def _self_times(host: Trace, lo: float, hi: float) -> dict[str, float]:
         for done, child in stack:
             out[done.name] += done.dur_us - child
     return out
-
-
-def _named(host: Trace | None, lo: float, hi: float, names: tuple[str, ...], prefix: bool) -> list[Interval]:
-    if host is None:
-        return []
-    hits = [e for e in host.events if (e.name.startswith(names) if prefix else e.name in names)]
-    return union(_clip(hits, lo, hi))
 
 
 def _host_syncs(host: Trace | None, lo: float, hi: float) -> list[Interval]:
@@ -244,18 +277,27 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
         comm = union(_clip(comm_events, lo, hi))
         waits = subtract([(lo, hi)], compute)
         phases = [e for e in dev.events if e.category == PHASE_CATEGORY and lo <= e.start_us < hi]
-        data = union(_clip([e for e in phases if e.name.startswith(DATA_PREFIXES)], lo, hi))
+        data_us = _total(union(_clip([e for e in phases if e.name.startswith(DATA_PREFIXES)], lo, hi)))
         colls = _collectives(comm_events, compute, lo, hi, "comm:")
         host_step = host.steps[i] if host is not None and i < len(host.steps) else None
         syncs = _host_syncs(host, host_step.start_us, host_step.end_us) if host_step else []
+        python_us = 0.0
+        if host_step is not None and not data_us:
+            # Data loading the job did not name: what PyTorch records on the host (data_loading.py), its share
+            # of the host's step carried over to the device step (the virtual clock charges that work as
+            # compute, in its own time; a share is the same on both clocks while the rank runs alone)
+            found = data_time(host, host_step)
+            scale = (hi - lo) / max(host_step.end_us - host_step.start_us, 1e-9)
+            data_us, python_us = _total(found.intervals) * scale, found.python_us * scale
         rows.append(
             dict(
                 step=(hi - lo) / 1e3,
-                compute=(_total(compute) - _total(data)) / 1e3,
+                compute=max(0.0, _total(compute) - data_us) / 1e3,
                 comm=_total(comm) / 1e3,
                 wait=_total(waits) / 1e3,
                 exposed=_total(subtract(comm, compute)) / 1e3,
-                data=_total(data) / 1e3,
+                data=data_us / 1e3,
+                python=python_us / 1e3,
                 sync=_total(syncs) / 1e3,
                 nsync=len(syncs),
                 colls=colls,
@@ -267,20 +309,22 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
 
 
 def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
-    """From a host trace: GPU kernels when there are any, else the CPU lanes."""
-    kernels = [e for e in host.events if e.category == "kernel"]
-    source = "GPU kernels" if kernels else "CPU host trace"
+    """From a host trace: the device's events when there are any (GPU kernels, copies, memsets), each step
+    its own (`timeline.step_window`), else the CPU lanes."""
+    gpu = bool(host.device_events)
+    source = "GPU kernels" if gpu else "CPU host trace"
     rows = []
     for s in host.steps:
-        lo, hi = s.start_us, s.end_us
-        lanes = step_lanes(host, s.number)  # the device's lanes when there are kernels
-        compute = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["compute"]]
-        comm = [(lo + a * 1e3, lo + b * 1e3) for a, b in lanes["comm"]]
+        lo, hi = step_window(host, s.number)
+        lanes = {
+            k: [(lo + a * 1e3, lo + b * 1e3) for a, b in v] for k, v in step_lanes(host, s.number).items()
+        }
+        compute, comm = lanes["compute"], lanes["comm"]
         colls: list[Collective] = []
-        if kernels:  # NCCL's kernels are the collectives (one per collective, or per group of them)
-            colls = _collectives(
-                [e for e in kernels if e.lane == "comm" and lo <= e.start_us < hi], compute, lo, hi
-            )
+        if gpu:  # NCCL's kernels are the collectives (one per collective, or per group of them)
+            mine = step_device_events(host, s.number)
+            nccl = [e for e in mine if e.lane == "comm" and lo <= e.start_us < hi]
+            colls = _collectives(nccl, compute, lo, hi)
             ncoll = len(colls)
         else:
             in_step = [e for e in host.lane("comm") if lo <= e.start_us < hi]
@@ -288,17 +332,20 @@ def _host_breakdown(host: Trace, rank: int) -> RankBreakdown:
             colls = _collectives([e for e in in_step if e.name.startswith("gloo:")], compute, lo, hi)
             comm_events = [e for e in in_step if e.category == COMM_CATEGORY]
             ncoll = len(colls) or len(comm_events) or len([e for e in in_step if e.name.startswith("c10d::")])
-        data = _named(host, lo, hi, DATA_PREFIXES, True)
-        syncs = _host_syncs(host, lo, hi)
-        busy = union(compute + comm)
+        found = data_time(host, s)  # the host's own spans and Python work: host time
+        data = found.intervals
+        syncs = _host_syncs(host, s.start_us, s.end_us)
+        busy = union(compute + comm + lanes["memory"])
         rows.append(
             dict(
                 step=(hi - lo) / 1e3,
-                compute=max(0.0, _total(compute) - (0 if kernels else _total(data))) / 1e3,
+                compute=max(0.0, _total(compute) - (0 if gpu else _total(data))) / 1e3,
                 comm=_total(comm) / 1e3,
-                wait=_total(subtract([(lo, hi)], busy if kernels else compute)) / 1e3,
+                memory=_total(lanes["memory"]) / 1e3,
+                wait=_total(subtract([(lo, hi)], busy if gpu else compute)) / 1e3,
                 exposed=_total(subtract(comm, compute)) / 1e3,
                 data=_total(data) / 1e3,
+                python=found.python_us / 1e3,
                 sync=_total(syncs) / 1e3,
                 nsync=len(syncs),
                 colls=colls,
@@ -339,12 +386,15 @@ def _combine(rank: int, source: str, rows: list[dict], host: Trace | None) -> Ra
         wait_ms=mean("wait"),
         exposed_comm_ms=mean("exposed"),
         data_ms=mean("data"),
+        host_python_ms=mean("python"),
         host_sync_ms=mean("sync"),
         host_syncs=mean("nsync"),
         collectives=sum(ncoll) / n,
         comm_bytes=mean("bytes"),
         top_ops=sorted(top.items(), key=lambda kv: -kv[1])[:8],
         step_collectives=rows[-1]["colls"],
+        memory_ms=mean("memory") if "memory" in rows[0] else 0.0,
+        note=host.note if host is not None else "",
     )
 
 

@@ -5,7 +5,8 @@ the mistakes lab 05 plants (each seen in real jobs). Every rule compares a share
 threshold, so it does not depend on the model's size:
 
 1. **data loading**: a rank spends at least `DATA_SHARE` of its step loading data in the training
-   process (PyTorch's DataLoader spans, or `phase("data")`);
+   process (`data_loading.py`: PyTorch's DataLoader spans, Python work outside any operator before the
+   forward, or `phase("data")`); the job needs no label;
 2. **host sync**: a rank spends at least `HOST_SYNC_SHARE` of its step in host synchronisations
    (`.item()`, `cuda*Synchronize`). On the emulated cluster compute is synchronous, so a sync costs
    nothing there: this one fires on GPU traces only (the time is spent in the sync; what removing it saves
@@ -65,6 +66,16 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
+def _data_parts(r: RankBreakdown) -> str:
+    """What the data loading was, where part of it was Python work outside any operator."""
+    if r.host_python_ms <= 0.05 * r.data_ms:
+        return ""
+    return (
+        f" ({r.host_python_ms:.1f} ms of it Python work before the forward, outside any torch operator: "
+        "tokenising inline?)"
+    )
+
+
 def _check_data(b: list[RankBreakdown]) -> Diagnosis | None:
     worst = max(b, key=lambda r: r.data_ms / r.step_ms)
     share = worst.data_ms / worst.step_ms
@@ -77,7 +88,8 @@ def _check_data(b: list[RankBreakdown]) -> Diagnosis | None:
         "data_loading",
         rank,
         f"{where} spends {worst.data_ms:.1f} of {worst.step_ms:.1f} ms per step "
-        f"({_pct(share)}) loading data in the training process (threshold {_pct(DATA_SHARE)})",
+        f"({_pct(share)}) loading data in the training process{_data_parts(worst)} (threshold "
+        f"{_pct(DATA_SHARE)})",
         b,
     )
 

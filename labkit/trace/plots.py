@@ -41,7 +41,8 @@ def plot_timeline(
     title: str = "One training step: compute vs communication",
     step: int | None = None,
 ) -> Any:
-    """Draw one step (default: the last) per rank: a compute lane and a comm lane, ms on x.
+    """Draw one step (default: the last) per rank: a compute lane and a comm lane (and a memory lane, the
+    GPU's copies and memsets, where a trace has any), ms on x.
 
     Accepts traces or trace paths, as a list in rank order or a {rank: trace} mapping.
     Returns the matplotlib Figure.
@@ -52,21 +53,23 @@ def plot_timeline(
         raise ValueError("plot_timeline got no traces; pass [read_trace(p) for p in paths].")
     fig, ax = _axes(ax, 0.9 + 0.8 * len(rows))
 
-    colors = {"compute": "tab:blue", "comm": "tab:orange"}
+    colors = {"compute": "tab:blue", "comm": "tab:orange", "memory": "tab:green"}
+    all_lanes = [step_lanes(tr, step) for _, tr in rows]
+    names = ("compute", "comm", "memory") if any(ls["memory"] for ls in all_lanes) else ("compute", "comm")
+    pitch = len(names) + 0.6
     yticks, ylabels, x_max = [], [], 0.0
-    for row, (rank, tr) in enumerate(rows):
-        lanes = step_lanes(tr, step)
+    for row, ((rank, tr), lanes) in enumerate(zip(rows, all_lanes, strict=True)):
         stats = overlap(tr, tr.step(step).number)
         x_max = max(x_max, stats["step_ms"])
-        for k, lane in enumerate(("compute", "comm")):
-            y = -(row * 2.6 + k)
+        for k, lane in enumerate(names):
+            y = -(row * pitch + k)
             bars = [(a, b - a) for a, b in lanes[lane]]
             ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[lane], label=lane if row == 0 else None)
             yticks.append(y)
             ylabels.append(f"rank {rank} {lane}")
         ax.text(
             stats["step_ms"],
-            -(row * 2.6) - 0.5,
+            -(row * pitch) - 0.5,
             f"  step {stats['step_ms']:.1f} ms\n  overlap {stats['overlap_pct']:.0f}%",
             va="center",
             fontsize=8,

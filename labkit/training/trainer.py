@@ -5,8 +5,8 @@
 
 One optimizer step, with the job's knobs:
 
-1. for each of the rank's micro-batches (`job.accumulation(world_size)` of them): fetch it (`phase("data")`:
-   tokenized as it is fetched when `job.tokenize == "in_loader"`), forward under bf16 autocast if asked, the
+1. for each of the rank's micro-batches (`job.accumulation(world_size)` of them): fetch it from its DataLoader
+   (tokenized as it is fetched when `job.tokenize == "in_loader"`), forward under bf16 autocast if asked, the
    loss divided by the micro-batch count, the logged metric on the first micro-batch (`job.accuracy`),
    backward; every micro-step but the last inside the gradient sync's `no_sync()`;
 2. the gradient sync's work after backward (`labkit.training.grad_sync`), then the optimizer step and
@@ -14,8 +14,10 @@ One optimizer step, with the job's knobs:
 3. the held-out evaluation (`job.eval_samples`, shared or on `job.eval_rank`), the loss read on the host if
    `job.loss_readout == "every_step"`, and the wait for the metric's all-reduce.
 
-The names the trace shows are `record_function` spans ("forward", "backward", "optimizer.step") and
-`labkit.trace.phase`s ("data", "logging", "evaluation"). Data, model and evaluation follow the course's
+The names the trace shows are PyTorch's own: the DataLoader's "enumerate(DataLoader)#..." spans and the
+job's `record_function` spans ("forward", "backward", "optimizer.step", "logging", "evaluation"), as a
+training script would write them; no labkit label (`labkit.trace.phase`), so that `labkit.trace.diagnose`
+finds the course's mistakes from what any job's trace holds. Data, model and evaluation follow the course's
 contract (`labkit.training.reference`): the rank's rows of global batch s in step s, the same seeded weights
 on every rank.
 """
@@ -36,7 +38,6 @@ from labkit import runtime
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.data import OverlappedDDP
 from labkit.trace.commlog import CommLog
-from labkit.trace.phases import phase
 from labkit.training.data import RankSamples, tokenizer_passes
 from labkit.training.grad_sync import make_grad_sync
 from labkit.training.job import TrainingJob
@@ -123,16 +124,15 @@ class Trainer:
     # ------------------------------------------------------------------ a step
 
     def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next micro-batch, on the device (the data loading of the step, in the trace)."""
-        with phase("data"):
-            try:
-                x, y = next(self.batches)
-            except StopIteration:
-                raise RuntimeError(
-                    f"this Trainer holds data for steps={self.steps} optimizer steps; make it "
-                    "with more: Trainer(job, config, steps=...)"
-                ) from None
-            return x.to(self.dev), y.to(self.dev)
+        """The next micro-batch, on the device (the DataLoader's own profiler span names the fetch)."""
+        try:
+            x, y = next(self.batches)
+        except StopIteration:
+            raise RuntimeError(
+                f"this Trainer holds data for steps={self.steps} optimizer steps; make it "
+                "with more: Trainer(job, config, steps=...)"
+            ) from None
+        return x.to(self.dev), y.to(self.dev)
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This step's micro-batches, fetched now."""
@@ -201,7 +201,7 @@ class Trainer:
     def _log_accuracy(self, logits: torch.Tensor, y: torch.Tensor) -> Any:
         if self.job.accuracy == "none":
             return None
-        with phase("logging"):
+        with record_function("logging"):
             if (
                 self.job.accuracy == "local"
             ):  # this rank's hits, reduced asynchronously: waited for at the end
@@ -226,7 +226,7 @@ class Trainer:
             rows = range(n)
         else:
             return
-        with phase("evaluation"), torch.no_grad():
+        with record_function("evaluation"), torch.no_grad():
             for start in range(rows.start, rows.stop, m):  # in micro-batches, as an eval loader would
                 stop = min(start + m, rows.stop)
                 self.model(self.val_x[start:stop], self.val_y[start:stop])

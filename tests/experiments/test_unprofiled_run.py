@@ -73,6 +73,9 @@ def test_diagnose_names_every_planted_mistake(n_layers, d_model, tmp_path):
         if expected == "straggler":
             assert found.rank == 1 and "rank 1 computes" in found.evidence
         assert len(found.breakdown) == 2 and found.breakdown[0].source == "emulated device timeline"
+        # the job carries no labkit label: diagnose reads what PyTorch itself records (the DataLoader's spans)
+        for trace in Path(run[0].traces).glob("*.json*"):
+            assert "phase:" not in trace.read_text(), trace
 
 
 def test_a_straggler_on_rank_0_and_the_fixes(tmp_path):
