@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from labkit.trace.commlog import COMM_CATEGORY
-from labkit.trace.data_loading import data_time
-from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
+from labkit.trace.data_loading import DATA_PREFIXES, data_time
+from labkit.trace.phases import PHASE_CATEGORY
 from labkit.trace.timeline import (
     STEP_END_SYNC,
     Trace,
@@ -61,7 +61,6 @@ HOST_SYNC_OPS = (
     "cudaDeviceSynchronize",
     "cudaEventSynchronize",
 )
-DATA_PREFIXES = ("enumerate(DataLoader)", PHASE_PREFIX + "data")
 # Bytes per element of the "dtype" Kineto writes for a collective (c10's ScalarType names)
 _DTYPE_BYTES = {
     "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Int": 4, "Long": 8, "Short": 2,

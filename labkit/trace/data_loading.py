@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from labkit.trace.phases import PHASE_PREFIX
 from labkit.trace.timeline import Step, Trace, TraceEvent, subtract, union
 
-__all__ = ["DATALOADER_PREFIX", "PREP_OPS", "DataTime", "data_time"]
+__all__ = ["DATALOADER_PREFIX", "DATA_PREFIXES", "PREP_OPS", "DataTime", "data_time"]
 
 DATALOADER_PREFIX = "enumerate(DataLoader)"
+DATA_PREFIXES = (DATALOADER_PREFIX, PHASE_PREFIX + "data")  # the spans that name data loading
 # Operators that only make, shape or move a batch's tensors: the batch's preparation, not the model's work
 PREP_OPS = (
     "aten::to", "aten::_to_copy", "aten::copy_", "aten::empty", "aten::empty_strided", "aten::lift_fresh",
@@ -34,7 +35,7 @@ PREP_OPS = (
     "aten::as_strided", "aten::clone", "aten::detach", "aten::detach_", "aten::alias", "aten::pin_memory",
     "aten::_pin_memory", "aten::is_pinned", "aten::scalar_tensor", "aten::resize_", "aten::set_",
 )
-_NOT_WORK = ("labkit:", "Optimizer.zero_grad", DATALOADER_PREFIX, PHASE_PREFIX + "data")
+_NOT_WORK = ("labkit:", "Optimizer.zero_grad", *DATA_PREFIXES)
 
 Interval = tuple[float, float]
 
@@ -80,7 +81,7 @@ def data_time(host: Trace, step: Step) -> DataTime:
     named = [
         (max(e.start_us, lo), min(e.end_us, hi))
         for e in host.events
-        if e.name.startswith((DATALOADER_PREFIX, PHASE_PREFIX + "data")) and e.end_us > lo and e.start_us < hi
+        if e.name.startswith(DATA_PREFIXES) and e.end_us > lo and e.start_us < hi
     ]
     named = union(named)
     python: list[Interval] = []
