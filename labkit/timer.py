@@ -22,7 +22,7 @@ import torch
 
 from labkit import emulate, runtime
 
-__all__ = ["Mark", "Span", "clock", "waited"]
+__all__ = ["CollectivesSpan", "Mark", "Span", "clock", "waited"]
 
 
 def clock() -> float:
@@ -84,3 +84,46 @@ class Span:
         if self.start is None or self.end is None:
             raise RuntimeError("Span.ms is read after the span: with Span() as span: ...; then span.ms")
         return self.end.ms_since(self.start)
+
+
+class CollectivesSpan(Span):
+    """A `Span` around collectives launched back to back, timed as the device runs them.
+
+    On a GPU it is a `Span`: CUDA events on the current stream, which bracket the queued collectives on the
+    device once the host has enqueued them all (`labkit.bandwidth` keeps the stream busy meanwhile). On the
+    virtual clock its ends are the emulated device's: this rank's issue of the first collective completed
+    inside it and the completion of the last, from the rank's device timeline. The host's Python before the
+    first launch and after the last wait is the host's time, which the CUDA events do not see either; a host
+    slower than the link still shows, as the gaps it leaves between collectives on the timeline.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._device: tuple[float, float] | None = None  # the device timeline's ends, on the virtual clock
+        self._logged = 0
+
+    def __enter__(self) -> CollectivesSpan:
+        super().__enter__()
+        if runtime.on_virtual_clock():
+            self._logged = emulate.rank_clock().collectives_logged
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        super().__exit__(kind, error, trace)
+        if not runtime.on_virtual_clock():
+            return
+        clock = emulate.rank_clock()
+        new = clock.collectives_logged - self._logged  # those completed inside (each one waited for)
+        if new > len(clock.collectives):
+            raise RuntimeError(f"{new} collectives in one span: more than the device timeline keeps")
+        if new:
+            timeline = list(clock.collectives)[-new:]
+            self._device = (timeline[0][1], timeline[-1][2])
+
+    @property
+    def ms(self) -> float:
+        """The span's length in milliseconds (see the class docstring for its ends)."""
+        if self._device is None:  # on a GPU or the wall clock, or no collective inside
+            return super().ms
+        first_issued, last_done = self._device
+        return (last_done - first_issued) * 1e3

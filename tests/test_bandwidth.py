@@ -4,13 +4,15 @@ sizes refused."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import bandwidth, launch, runtime
+from labkit import Cluster, bandwidth, launch, runtime, timer
 from labkit.bandwidth import bandwidth_test
-from labkit.links import bus_bandwidth_factor
+from labkit.links import Link, bus_bandwidth_factor, collective_time_s
 
 
 def worker_bandwidth() -> list[dict]:
@@ -85,6 +87,45 @@ def test_on_a_gpu_the_collectives_are_timed_by_cuda_events_around_them(monkeypat
         "synchronize",
     ]
     assert seconds == pytest.approx(12.0 / 1e3 / 3)
+
+
+def _busy(seconds: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+def _spans(link_s: float) -> dict[str, float]:
+    full = torch.zeros(1024)
+    dist.barrier()
+    with timer.CollectivesSpan() as hidden:  # host work before the first launch and after the last wait
+        _busy(0.05)
+        works = [dist.all_reduce(full, async_op=True) for _ in range(4)]
+        for work in works:
+            work.wait()
+        _busy(0.05)
+    dist.barrier()
+    with timer.CollectivesSpan() as gaps:  # a host slower than the link between the launches
+        for _ in range(4):
+            work = dist.all_reduce(full, async_op=True)
+            _busy(2 * link_s)
+        work.wait()
+    dist.barrier()
+    with timer.CollectivesSpan() as empty:  # no collective inside: the plain span
+        _busy(0.01)
+    return {"hidden": hidden.ms / 1e3, "gaps": gaps.ms / 1e3, "empty": empty.ms / 1e3}
+
+
+def test_on_the_emulated_cluster_the_span_is_the_devices_first_to_last_collective():
+    # As CUDA events read a GPU's stream: the host's Python around the launches is not link time, but a host
+    # that launches slower than the link leaves gaps the device waits through.
+    link = Link(0.001, 0.0)  # 4 KiB all-reduce over 2 ranks: 4.096 ms
+    cluster = Cluster.emulated(gpus_per_node=2, intra_node=link, inter_node=link)
+    link_s = collective_time_s("all_reduce", 4096, 2, link)
+    for r in launch(_spans, link_s, world_size=2, cluster=cluster, timeout_s=60):
+        assert r["hidden"] == pytest.approx(4 * link_s, rel=0.05)  # not 0.1 s more
+        assert r["gaps"] == pytest.approx(3 * 2 * link_s + link_s, rel=0.05)
+        assert r["empty"] == pytest.approx(0.01, rel=0.3)
 
 
 def _too_small() -> str:

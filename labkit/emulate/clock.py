@@ -46,6 +46,7 @@ class VirtualClock:
         # issue to completion, both in virtual seconds. Compute is the time between waits.
         self.waits: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
         self.collectives: collections.deque[tuple[str, float, float, int]] = collections.deque(maxlen=100_000)
+        self.collectives_logged = 0  # every collective ever put on the timeline (the deque keeps the newest)
         # Named phases of the rank's own work (`labkit.trace.phase`: data loading, logging, ...).
         self.phases: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=100_000)
 
@@ -76,6 +77,7 @@ class VirtualClock:
     def log_collective(self, name: str, issued: float, done: float, nbytes: int) -> None:
         """Put one collective on the device timeline (called by the group's completion thread)."""
         self.collectives.append((name, issued, done, nbytes))
+        self.collectives_logged += 1
 
     def log_phase(self, name: str, start: float, end: float) -> None:
         """Put one named phase of this rank's work on the device timeline."""

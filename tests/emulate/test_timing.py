@@ -120,7 +120,9 @@ class _Layer(nn.Module):
         return _Busy.apply(x + self.w.sum() * 0, self.seconds)
 
 
-def _synthetic_step(mode: str, layers: int, numel: int, seconds: float) -> float:
+def _synthetic_step(mode: str, layers: int, numel: int, seconds: float) -> tuple[float, float]:
+    """The second step's virtual time, and the compute in it beyond the layers' known backward (the
+    forward, autograd and the hooks: the host's Python, which the model below leaves out)."""
     from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive
 
     model = nn.Sequential(*[_Layer(numel, seconds) for _ in range(layers)])
@@ -128,13 +130,14 @@ def _synthetic_step(mode: str, layers: int, numel: int, seconds: float) -> float
     times = []
     for _ in range(2):
         dist.barrier()
-        t0 = labkit.clock()
+        t0, waited0 = labkit.clock(), labkit.timer.waited()
         (ddp or model)(torch.ones(4, requires_grad=True)).sum().backward()
         if ddp is None:
             allreduce_gradients_naive(model)
         else:
             ddp.finish_gradient_synchronization()
-        times.append(labkit.clock() - t0)
+        step = labkit.clock() - t0
+        times.append((step, step - (labkit.timer.waited() - waited0) - layers * seconds))
     return times[-1]
 
 
@@ -146,12 +149,20 @@ def test_naive_costs_compute_plus_comm_and_overlap_costs_the_max_plus_the_tail(c
     cluster = Cluster.emulated(gpus_per_node=2, intra_node=link, inter_node=link)
     comm_s = collective_time_s("all_reduce", numel * 4, 2, link)
     assert comm_s == pytest.approx(comm_per_layer_ms * 1e-3)
-    naive = max(launch(_synthetic_step, "naive", layers, numel, compute_s, world_size=2, cluster=cluster))
-    over = max(launch(_synthetic_step, "overlapped", layers, numel, compute_s, world_size=2, cluster=cluster))
+    naive, naive_host = max(
+        launch(_synthetic_step, "naive", layers, numel, compute_s, world_size=2, cluster=cluster)
+    )
+    over, over_host = max(
+        launch(_synthetic_step, "overlapped", layers, numel, compute_s, world_size=2, cluster=cluster)
+    )
+    # The host's own Python (forward, autograd, hooks) is a few ms of the step on a slow machine: measured,
+    # not modelled, so it is added to the model rather than hidden in the tolerance.
+    assert 0 <= naive_host < 0.25 * compute_s and 0 <= over_host < 0.25 * compute_s
     # gradients are ready at c, 2c, ..., Lc; buckets go one after another on the link
     expected_overlap = max(layers * compute_s + comm_s, compute_s + layers * comm_s)
-    assert naive == pytest.approx(layers * (compute_s + comm_s), rel=0.05)
-    assert over == pytest.approx(expected_overlap, rel=0.05)
+    assert naive == pytest.approx(layers * (compute_s + comm_s) + naive_host, rel=0.02)
+    # the host's Python in backward's hooks can hide behind the buckets when the link is the bottleneck
+    assert 0.99 * expected_overlap <= over <= 1.02 * (expected_overlap + over_host)
 
 
 # -------------------------------------------------- DDP and pipelining numerics
