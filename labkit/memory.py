@@ -19,7 +19,8 @@ Plain fp32 Adam is also 16 bytes per parameter (4 + 4 + 8): mixed precision does
 the model states, it shrinks activations and speeds up the math.
 
 ZeRO stages shard over the ``dp`` data-parallel ranks: stage 1 the optimizer states
-(P_os), stage 2 also the gradients (P_os+g), stage 3 also the parameters (P_os+g+p).
+(P_os), stage 2 also the gradients (P_os+g), stage 3 also the parameters (P_os+g+p): ZeRO's
+Figure 1 and section 5.1 (P_os = 4Ψ + KΨ/N_d), 5.2 and 5.3.
 
 Activations: ``korthikanti_activation_bytes`` is the per-layer count of Korthikanti et al.
 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1 and

@@ -3,8 +3,9 @@
 `rank_order(schedule, p, m, rank, v)` is the list of (kind, stage, micro-batch) a rank runs:
 
 * GPipe (Huang et al. 2019): every forward, then every backward;
-* 1F1B (Narayanan et al. 2019, PipeDream-Flush): p - rank - 1 warm-up forwards, then one forward and one
-  backward in turn, then the remaining backwards;
+* 1F1B (PipeDream-Flush: Narayanan, Phanishayee et al., ICML 2021, "Memory-Efficient Pipeline-Parallel DNN
+  Training"): p - rank - 1 warm-up forwards, then one forward and one backward in turn, then the remaining
+  backwards;
 * interleaved 1F1B (Narayanan et al. 2021, section 2.2): v chunks per rank (virtual stage k on rank k mod p),
   micro-batches taken in groups of p per chunk, (p - rank - 1) x 2 + (v - 1) x p warm-up forwards (as in
   Megatron-LM's `forward_backward_pipelining_with_interleaving`), then one forward and one backward in turn.

@@ -6,7 +6,8 @@ stage). A split is the number of consecutive layers in each stage (`labkit.pipel
 the balanced one, `split_evenly` the naive one); `GPTStage` holds one stage's layers, and
 `pipeline_stages` wraps them in `torch.distributed.pipelining.PipelineStage`s for a rank;
 `make_schedule` picks GPipe (Huang et al. 2019: every forward, then every backward), 1F1B
-(Narayanan et al. 2019, PipeDream-Flush: one forward, one backward in the steady state) or
+(PipeDream-Flush: Narayanan, Phanishayee et al., ICML 2021, "Memory-Efficient Pipeline-Parallel DNN
+Training"; one forward, one backward in the steady state) or
 interleaved 1F1B (Narayanan et al. 2021, section 2.2: v chunks per rank, stage s on rank s mod p);
 `clock_stages` records each forward and backward a stage runs on `labkit.timer`, and what it sends.
 
