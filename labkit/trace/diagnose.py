@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.trace.analyze import RankBreakdown, analyze
+from labkit.trace.analyze import Collective, RankBreakdown, analyze
 
 __all__ = ["KINDS", "Diagnosis", "diagnose", "findings"]
 
@@ -174,16 +174,22 @@ def _check_small(b: list[RankBreakdown]) -> Diagnosis | None:
     )
 
 
+def _step_compute(c: Collective) -> float:
+    """The compute (data loading included) of the step a collective ran in: before, during and after it."""
+    return c.compute_before_ms + c.overlapped_ms + c.compute_after_ms
+
+
 def _check_sync_collective(b: list[RankBreakdown]) -> Diagnosis | None:
     best = None
     for r in b:
-        total_compute = r.compute_ms + r.data_ms
+        # Each collective against the compute of its own step: `step_collectives` are the last profiled
+        # step's, while `compute_ms` is the median over steps (a slower last step pushed shares past EARLY).
         mid = [
             c
             for c in r.step_collectives
             if c.waited_ms > 0
-            and c.compute_before_ms <= EARLY * total_compute
-            and c.compute_after_ms >= LATE * total_compute
+            and c.compute_before_ms <= EARLY * _step_compute(c)
+            and c.compute_after_ms >= LATE * _step_compute(c)
         ]
         waited = sum(c.waited_ms for c in mid)
         if mid and len(mid) <= 4 and waited >= WAIT_SHARE * r.step_ms and (best is None or waited > best[1]):

@@ -45,6 +45,27 @@ def test_diagnose_small_collectives_and_a_sync_collective(tmp_path, traces):
     assert d.kind == "sync_collective" and "all_gather" in d.evidence
 
 
+def test_a_sync_collective_is_judged_against_its_own_steps_compute(tmp_path, traces):
+    # Three steps; the last, whose collectives diagnose reads, was slower: 4 ms of compute before the logging
+    # all-gather and 12 after, where the others had 3 and 5. Against the median step's compute (8 ms) the
+    # all-gather came late (4 > 0.4 x 8); against its own step's (16 ms) it is early (a quarter), as it is.
+    for r in (0, 1):
+        dev, host = [], []
+        for n, (before, after) in enumerate([(3.0, 5.0), (3.0, 5.0), (4.0, 12.0)]):
+            t0 = 30.0 * n
+            dur = before + 2 + after
+            dev += [traces.step(n, t0, dur), traces.x("compute", "kernel", t0, before)]
+            dev += [traces.x("compute", "kernel", t0 + before + 2, after)]
+            dev += [traces.x(f"comm:all_gather #{n}", "labkit_comm", t0 + before, 2, tid=2, bytes=4096)]
+            host += [traces.step(n, t0, dur)]
+        traces.write(tmp_path / f"trace_rank{r}.device.json", dev, r)
+        traces.write(tmp_path / f"trace_rank{r}.json", host, r)
+    (b0, _) = analyze(tmp_path)
+    assert b0.compute_ms == 8.0 and b0.step_collectives[0].compute_before_ms == 4.0  # 0.5 of the median
+    d = diagnose(tmp_path)
+    assert d.kind == "sync_collective" and "all_gather" in d.evidence, str(d)
+
+
 def test_diagnose_a_host_sync_on_gpu_traces(tmp_path, traces):
     for r in (0, 1):
         events = [
