@@ -51,6 +51,8 @@ class Cluster:
     clock: str = "virtual"  # emulated only: "virtual" (the rank's device clock) or "wall"
     peak_tflops: float | None = None  # described only: dense 16-bit peak per GPU (datasheet)
     gpu_name: str = ""  # described only
+    sm_count: int | None = None  # described only: streaming multiprocessors per GPU (datasheet)
+    memory_gb_s: float | None = None  # described only: HBM bandwidth per GPU, GB/s (datasheet)
 
     # -- construction ----------------------------------------------------------
 
@@ -314,22 +316,27 @@ class Cluster:
 # (labkit.gpu_links). Between nodes one InfiniBand port per GPU: DGX A100 has eight 200 Gb/s HDR ports
 # (25 GB/s), DGX H100/H200 eight 400 Gb/s NDR ports (50 GB/s) (NVIDIA DGX A100 and DGX H100 user
 # guides). Latencies are assumptions of a few microseconds, NCCL's order for small messages.
+# SMs and HBM bandwidth (the planner's GEMM efficiency, labkit.planner.gemm_s): A100 SXM4 80GB 108 SMs and
+# 2,039 GB/s (NVIDIA A100 datasheet and Ampere architecture whitepaper); H100 SXM5 132 SMs and 3,350 GB/s;
+# H200 SXM 132 SMs (the H100's GH100 die) and 4,800 GB/s (NVIDIA H100 and H200 datasheets).
 _NVLINK3 = Link(300.0, 5.0, "NVLink 3 + NVSwitch")
 _NVLINK4 = Link(450.0, 5.0, "NVLink 4 + NVSwitch")
 _HDR = Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s per GPU")
 _NDR = Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU")
 
 
-def _dgx(gpu_name: str, memory_gib: float, peak_tflops: float, nvlink: Link, infiniband: Link) -> Cluster:
+def _dgx(
+    gpu_name: str, memory_gib: float, peak_tflops: float, sms: int, hbm_gb_s: float, nvlink: Link, ib: Link
+) -> Cluster:
     """One DGX node: eight GPUs on NVSwitch, one InfiniBand port per GPU towards other nodes."""
-    return Cluster("described", 1, 8, nvlink, infiniband, memory_gib=memory_gib, peak_tflops=peak_tflops,
-                   gpu_name=gpu_name)
+    return Cluster("described", 1, 8, nvlink, ib, memory_gib=memory_gib, peak_tflops=peak_tflops,
+                   gpu_name=gpu_name, sm_count=sms, memory_gb_s=hbm_gb_s)
 
 
 PRESETS: dict[str, Cluster] = {
-    "dgx-a100-80gb": _dgx("A100-SXM4-80GB", 80.0, 312.0, _NVLINK3, _HDR),
-    "dgx-h100": _dgx("H100-SXM5-80GB", 80.0, 989.0, _NVLINK4, _NDR),
-    "dgx-h200": _dgx("H200-SXM-141GB", 141.0, 989.0, _NVLINK4, _NDR),
+    "dgx-a100-80gb": _dgx("A100-SXM4-80GB", 80.0, 312.0, 108, 2039.0, _NVLINK3, _HDR),
+    "dgx-h100": _dgx("H100-SXM5-80GB", 80.0, 989.0, 132, 3350.0, _NVLINK4, _NDR),
+    "dgx-h200": _dgx("H200-SXM-141GB", 141.0, 989.0, 132, 4800.0, _NVLINK4, _NDR),
 }
 
 

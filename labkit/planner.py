@@ -6,14 +6,21 @@ the micro-batch, ZeRO stage and activation checkpointing; it keeps what fits the
 are several micro-batches) and predicts a step from four terms:
 
 * compute: the model's FLOPs (forward 2 per weight per token plus attention, backward twice that, a second
-  forward with checkpointing; Narayanan et al. 2021, appendix) on the busiest stage, over tp, at `Rates`;
+  forward with checkpointing; Narayanan et al. 2021, appendix) on the busiest stage, over tp, at `Rates`:
+  on a described GPU each matmul of a block, forward and backward, at the efficiency its shape on one tp rank
+  reaches (`labkit.gemm`: tile and wave quantization, memory-bound below the FLOP:byte ratio), so splitting a
+  layer or shrinking the micro-batch can cost compute time as well as communication;
 * tensor parallelism: Megatron's 2 all-reduces of the activations per block in forward and 2 in backward
   (Shoeybi et al. 2019), 2 more when checkpointing recomputes the forward, on the link the tp group crosses;
 * the pipeline: 1F1B or GPipe take (m + p - 1) stage slots of one micro-batch (the bubble, Huang et al. 2019),
   each slot holding the stage's compute, its tp all-reduces and two point-to-point transfers;
-* data parallelism: one all-reduce of the rank's gradients on the dp group's link after backward, not
-  overlapped (ZeRO-1/2: reduce-scatter + all-gather, the same bytes; ZeRO-3 gathers parameters twice more),
-  and the optimizer step at `Rates.optimizer_s_per_param`.
+* data parallelism: one all-reduce of the rank's gradients on the dp group's link (ZeRO-1/2: reduce-scatter
+  + all-gather, the same bytes; ZeRO-3 gathers parameters twice more), and the optimizer step at
+  `Rates.optimizer_s_per_param`. With `dp_overlap` (DDP's buckets, the default) the all-reduce, or ZeRO's
+  reduce-scatter, runs under the last micro-batch's backward and only what does not fit under it, and at
+  least the last bucket, is exposed (Li et al. 2020, section 3.2.3); ZeRO's all-gather of the updated
+  parameters comes after the optimizer step and ZeRO-3's gathers are not overlapped here. Without it (a
+  single all-reduce after backward, as lab 01's runs do) all of it is exposed.
 
 Collective times are `labkit.links.collective_time_s` (α-β, ring) on the cluster's links, so on the emulated
 cluster the planner and the emulator share one model; on a described cluster (`Cluster.preset`) compute is
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 
 from labkit import validate
 from labkit.cluster import Cluster
+from labkit.gemm import GemmCurve, gemm_s
 from labkit.layout import Layout
 from labkit.links import Link, collective_time_s
 from labkit.memory import MemoryBreakdown, blocks_per_stage, check_model_parallel, estimate, stage_params
@@ -43,6 +51,7 @@ __all__ = [
     "forward_flops_per_token",
     "plan",
     "spearman",
+    "stage_compute_s",
     "tp_comm_s",
 ]
 
@@ -54,18 +63,23 @@ _GIB = 2**30
 # layer is launch-bound, and splitting it over tp ranks does not make it faster.
 DISPATCH_S = 15e-6
 KERNELS_PER_BLOCK = 30
+# DDP's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel): the last bucket's all-reduce is
+# what stays exposed after backward even when everything else hides under it.
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
 class Rates:
-    """How fast one GPU computes: `flops_per_s` on the model's matmuls, its optimizer step per parameter,
-    and `dispatch_s`, the host's time per operator, below which no operator runs (0 where compute is
-    synchronous, as on the emulated cluster, whose CPU time is the operator's own)."""
+    """How fast one GPU computes: `flops_per_s` on the model's large matmuls, its optimizer step per
+    parameter, `dispatch_s`, the host's time per operator, below which no operator runs (0 where compute is
+    synchronous, as on the emulated cluster, whose CPU time is the operator's own), and `curve`, how much
+    less a smaller matmul reaches (`labkit.gemm`; None: every matmul at `flops_per_s`)."""
 
     flops_per_s: float
     optimizer_s_per_param: float = 0.0
     source: str = ""
     dispatch_s: float = 0.0
+    curve: GemmCurve | None = None
 
 
 def forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> tuple[float, float]:
@@ -200,11 +214,17 @@ def _divisors(n: int) -> list[int]:
 
 def _cluster_rates(cluster: Cluster, efficiency: float) -> Rates:
     if cluster.kind == "described":
+        curve = None
+        if cluster.sm_count and cluster.memory_gb_s:
+            curve = GemmCurve(cluster.sm_count, cluster.memory_gb_s)
         return Rates(
             cluster.peak_tflops * 1e12 * efficiency,
             0.0,
-            f"{cluster.peak_tflops:g} TFLOP/s peak x {efficiency:.0%} efficiency, optimizer not counted",
+            f"{cluster.peak_tflops:g} TFLOP/s peak x {efficiency:.0%} efficiency on large matmuls"
+            + (f", less on small ones ({curve.sms} SMs, {curve.memory_gb_s:g} GB/s)" if curve else "")
+            + ", optimizer not counted",
             DISPATCH_S,
+            curve,
         )
     if cluster.is_emulated and cluster.cpu_gflops:
         return Rates(
@@ -242,22 +262,73 @@ def tp_comm_s(
     return n * per_block * collective_time_s("all_reduce", nbytes, tp, link)
 
 
+def stage_compute_s(
+    config: GPTConfig,
+    tokens: int,
+    tp: int,
+    blocks: int,
+    head: bool,
+    rates: Rates,
+    checkpointing: bool = False,
+    seq_len: int | None = None,
+    precision: str = "mixed",
+) -> float:
+    """Seconds of one stage's forward and backward for `tokens` tokens on one of its tp ranks.
+
+    Each block's four matmuls (qkv, attention output, the MLP's two) and the head's, split over tp as
+    Megatron splits them; backward runs two matmuls per forward one (the input's gradient, m x k, and the
+    weight's, k x n), checkpointing a second forward. Each at `rates`' efficiency curve (`labkit.gemm`);
+    attention's QK^T and AV (batched over heads, many tiles) at `rates.flops_per_s`. Without a curve this is
+    the FLOPs of `forward_flops_per_token` at `rates.flops_per_s`.
+    """
+    s = config.seq_len if seq_len is None else seq_len
+    d, f, v = config.d_model, config.ffn_dim, config.vocab_size
+    qkv = d + 2 * config.kv_heads * config.head_dim
+    elem = 4 if precision == "fp32" else 2
+    forwards = 2 if checkpointing else 1
+
+    def fwd_bwd(m: float, n: float, k: float) -> float:
+        gemm = lambda a, b, c: gemm_s(a, b, c, rates.flops_per_s, rates.curve, elem)  # noqa: E731
+        return forwards * gemm(m, n, k) + gemm(m, k, n) + gemm(k, n, m)
+
+    block = sum(fwd_bwd(tokens, n, k) for n, k in ((qkv / tp, d), (d, d / tp), (f / tp, d), (d, f / tp)))
+    attention = (forwards + 2) * tokens * 4.0 * s * d / tp / rates.flops_per_s
+    return blocks * (block + attention) + (fwd_bwd(tokens, v / tp, d) if head else 0.0)
+
+
+def _dp_exposed_s(
+    all_reduce_s: float, last_bucket_s: float, backward_s: float, zero: int, overlap: bool
+) -> float:
+    """What the dp group's communication adds to the step (see the module docstring)."""
+    if zero >= 3 or not overlap:
+        return all_reduce_s * (1.5 if zero >= 3 else 1.0)
+    if zero >= 1:  # the reduce-scatter half hides under backward; the all-gather after the step does not
+        return max(all_reduce_s / 2 - backward_s, last_bucket_s / 2) + all_reduce_s / 2
+    return max(all_reduce_s - backward_s, last_bucket_s)
+
+
 def _predict(
-    c: Candidate, config: GPTConfig, cluster: Cluster, seq: int, rates: Rates, precision: str
+    c: Candidate,
+    config: GPTConfig,
+    cluster: Cluster,
+    seq: int,
+    rates: Rates,
+    precision: str,
+    dp_overlap: bool = True,
 ) -> None:
     """Fill `c.parts_ms` and `c.predicted_ms` (see the module docstring)."""
     topo = cluster.topology()
     pp, tp, dp = c.pp, c.tp, c.dp
-    block_f, head_f = forward_flops_per_token(config, seq)
     passes = 4.0 if c.checkpointing else 3.0  # forward + backward (2x), + a recomputed forward
     tokens = c.micro_batch * seq
     act_bytes = tokens * config.d_model * (4 if precision == "fp32" else 2)
     stage_blocks = blocks_per_stage(config, pp)
     slots = []
     for s, blocks in enumerate(stage_blocks):
-        flops = tokens * passes * (blocks * block_f + (head_f if s == pp - 1 else 0)) / tp
+        head = s == pp - 1
+        work = stage_compute_s(config, tokens, tp, blocks, head, rates, c.checkpointing, seq, precision)
         kernels = passes / 3 * KERNELS_PER_BLOCK * blocks + (KERNELS_PER_BLOCK / 3 if s == pp - 1 else 0)
-        slots.append(max(flops / rates.flops_per_s, kernels * rates.dispatch_s))
+        slots.append(max(work, kernels * rates.dispatch_s))
     compute = max(slots)
     link = {k: (topo.inter_node if where == "inter" else topo.intra_node) for k, where in c.links.items()}
     tp_s = pp_s = dp_s = 0.0
@@ -279,9 +350,10 @@ def _predict(
     params = max(stage_params(config, tp, pp, s) for s in range(pp))  # the largest stage's dp group is last
     if dp > 1:
         grad_bytes = params * (4 if precision == "fp32" else 2)
-        dp_s = collective_time_s("all_reduce", grad_bytes, dp, link["dp"]) * (
-            1.5 if c.zero_stage >= 3 else 1.0
-        )
+        all_reduce = collective_time_s("all_reduce", grad_bytes, dp, link["dp"])
+        last_bucket = collective_time_s("all_reduce", min(grad_bytes, DDP_BUCKET_BYTES), dp, link["dp"])
+        backward = compute * (passes - 1) / passes  # the last micro-batch's backward (and recompute)
+        dp_s = _dp_exposed_s(all_reduce, last_bucket, backward, c.zero_stage, dp_overlap)
         dp_s = max(dp_s, rates.dispatch_s)
     opt_params = params / dp if c.zero_stage >= 1 else params
     opt_s = opt_params * rates.optimizer_s_per_param
@@ -311,6 +383,7 @@ def plan(
     efficiency: float = 0.5,
     tp_across_nodes: bool = False,
     headroom: float = 0.1,
+    dp_overlap: bool = True,
 ) -> Plan:
     """Rank every dp x tp x pp layout of `cluster` for `model` at `global_batch` sequences per step.
 
@@ -321,6 +394,7 @@ def plan(
     rejected unless `tp_across_nodes` (it is still predicted, to show what it costs). `headroom`: the share
     of memory kept free for what `estimate` does not count (communication buffers, optimizer temporaries,
     the allocator's rounding and fragmentation: lab 02), so a layout fits if its peak <= (1 - headroom) x cap.
+    `dp_overlap`: the dp all-reduce runs in buckets under backward, as DDP runs it (False: after backward).
     """
     config = GPTConfig.preset(model) if isinstance(model, str) else model
     if not isinstance(config, GPTConfig):
@@ -364,6 +438,7 @@ def plan(
                     micro_batch_sizes,
                     rates,
                     tp_across_nodes,
+                    dp_overlap,
                 )
             )
     candidates.sort(key=lambda c: (not c.ok, c.predicted_ms is None, c.predicted_ms or 0.0))
@@ -399,6 +474,7 @@ def _best_option(
     micro_batch_sizes,
     rates: Rates,
     tp_across_nodes: bool,
+    dp_overlap: bool = True,
 ) -> Candidate:
     """The fastest fitting option of one layout, or the layout with the reason nothing works."""
     base = Candidate(layout, links=layout.links_crossed(topo))
@@ -433,7 +509,7 @@ def _best_option(
             pp=layout.pp,
             micro_batches=m,
         )
-        _predict(c, config, cluster, seq, rates, precision)
+        _predict(c, config, cluster, seq, rates, precision, dp_overlap)
         if smallest is None or c.memory.peak < smallest.memory.peak:
             smallest = c
         if c.memory.peak <= cap * _GIB:

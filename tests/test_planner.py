@@ -11,7 +11,16 @@ from labkit import Cluster
 from labkit.links import Link, collective_time_s
 from labkit.memory import estimate
 from labkit.models import GPTConfig
-from labkit.planner import DISPATCH_S, KERNELS_PER_BLOCK, Rates, plan, spearman, tp_comm_s
+from labkit.planner import (
+    DISPATCH_S,
+    KERNELS_PER_BLOCK,
+    Rates,
+    forward_flops_per_token,
+    plan,
+    spearman,
+    stage_compute_s,
+    tp_comm_s,
+)
 
 CONFIG = GPTConfig(n_layers=8, d_model=128, n_heads=8, vocab_size=1024, seq_len=64)
 RATES = Rates(50e9, 5e-9, "fixed for the test")
@@ -108,3 +117,66 @@ def test_a_launch_bound_layer_is_not_made_faster_by_tensor_parallelism():
     assert floor.candidate(1, 8, 1).parts_ms["tp"] >= 8 * 4 * 4 * DISPATCH_S * 1e3 * 0.999
     # a described cluster's rates carry the floor; the emulated cluster's do not (its CPU time is the work)
     assert plan(CONFIG, node, 32, **args).rates.dispatch_s == DISPATCH_S
+
+
+# Narayanan et al. 2021, Table 1 (heads, hidden, layers, tp, pp, GPUs, batch), vocabulary 51200, sequence 2048
+TABLE_1 = {
+    "1.7B": (24, 2304, 24, 1, 1, 32, 512),
+    "3.6B": (32, 3072, 30, 2, 1, 64, 512),
+    "7.5B": (32, 4096, 36, 4, 1, 128, 512),
+    "18B": (48, 6144, 40, 8, 1, 256, 1024),
+    "39B": (64, 8192, 48, 8, 2, 512, 1536),
+}
+
+
+def _table_1_plan(name: str, **kw):
+    a, h, L, _, _, gpus, batch = TABLE_1[name]
+    config = GPTConfig(n_layers=L, d_model=h, n_heads=a, vocab_size=51200, seq_len=2048)
+    return plan(config, Cluster.preset("dgx-a100-80gb", nodes=gpus // 8), batch, **kw)
+
+
+@pytest.mark.parametrize("name", list(TABLE_1))
+def test_a_table_1_model_that_fits_without_model_parallelism_gets_none(name):
+    # Takeaway #2 of Narayanan et al. 2021: model parallelism only as far as the model needs to fit, data
+    # parallelism beyond. In the paper's setting (no ZeRO, recomputation on), a model whose plain
+    # data-parallel layout fits is planned with none; one that does not keeps tp inside the 8-GPU node.
+    p = _table_1_plan(name, zero_stages=(0,), checkpointing=(True,), micro_batch_sizes=(1, 2, 4, 8))
+    gpus = TABLE_1[name][5]
+    if p.candidate(gpus, 1, 1).ok:
+        assert (p.best.tp, p.best.pp) == (1, 1), p.table()
+    else:
+        assert 2 <= p.best.tp * p.best.pp and p.best.tp <= 8
+    assert name not in ("1.7B", "3.6B") or (p.best.tp, p.best.pp) == (1, 1)
+
+
+def test_with_its_defaults_the_planner_gives_the_smallest_model_plain_data_parallelism():
+    # it used to put tp=2 on the 1.7B model: every matmul at one efficiency, and the dp all-reduce exposed
+    assert (_table_1_plan("1.7B").best.tp, _table_1_plan("1.7B").best.pp) == (1, 1)
+
+
+def test_the_dp_all_reduce_hides_under_the_last_micro_batchs_backward():
+    node = Cluster.preset("dgx-a100-80gb", nodes=4)
+    args = dict(micro_batch_sizes=(8,), zero_stages=(0,), checkpointing=(False,))
+    after = plan("gpt2-xl", node, 256, dp_overlap=False, **args).candidate(32, 1, 1)
+    under = plan("gpt2-xl", node, 256, **args).candidate(32, 1, 1)
+    grad_bytes = GPTConfig.preset("gpt2-xl").num_params() * 2
+    all_reduce = collective_time_s("all_reduce", grad_bytes, 32, node.inter_node)
+    last_bucket = collective_time_s("all_reduce", 25 * 2**20, 32, node.inter_node)
+    backward = under.parts_ms["compute"] / under.micro_batches * 2 / 3 / 1e3
+    assert after.parts_ms["dp"] == pytest.approx(all_reduce * 1e3)
+    assert under.parts_ms["dp"] == pytest.approx(max(all_reduce - backward, last_bucket) * 1e3)
+    assert under.predicted_ms < after.predicted_ms
+
+
+def test_without_a_curve_a_stage_costs_its_flops_at_the_rate():
+    rates = Rates(1e12)
+    block_f, head_f = forward_flops_per_token(CONFIG)
+    tokens = 4 * CONFIG.seq_len
+    for tp, ckpt in ((1, False), (4, True)):
+        passes = 4 if ckpt else 3
+        expected = tokens * passes * (2 * block_f + head_f) / tp / 1e12
+        assert stage_compute_s(CONFIG, tokens, tp, 2, True, rates, ckpt) == pytest.approx(expected)
+    # on a described GPU the small matmuls of a tp split cost more than their share of the FLOPs
+    a100 = plan("gpt2", Cluster.preset("dgx-a100-80gb"), 8).rates
+    one, eight = (stage_compute_s(GPTConfig.preset("gpt2"), 1024, tp, 12, True, a100) for tp in (1, 8))
+    assert eight > one / 8 * 1.2

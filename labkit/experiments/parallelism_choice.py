@@ -465,6 +465,7 @@ def headline(w: Where, p: Params) -> LabRecords:
         micro_batch_sizes=p.micro_batches,
         zero_stages=(0,),
         checkpointing=(False,),
+        dp_overlap=False,  # the runs all-reduce the gradients in one call after backward (_dp_all_reduce)
     )
     pick = the_plan.best
     tp_all = Layout(tp=w.world_size)

@@ -28,6 +28,8 @@ def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_s
         assert rec["unit"] == "ms" and rec["limit"] <= rec["after"] <= 1.1 * rec["limit"]
         assert rec["after"] < rec["before"] / 5 and rec["spearman"] >= 0.8 and len(rec["sweep"]) >= 6
         assert all(r["planner"][0] <= 8 for r in rec["paper"])  # tensor parallelism stays inside a DGX node
+        # the two smallest Table 1 models fit without model parallelism: plain data parallelism (takeaway #2)
+        assert [r["planner"] for r in rec["paper"][:2]] == [[1, 1], [1, 1]]
     if torchrun and world_size == 2:
         assert layouts == {"dp2 x tp1 x pp1", "dp1 x tp2 x pp1", "dp1 x tp1 x pp2"}
 
