@@ -266,6 +266,23 @@ def _collectives(
     return out
 
 
+def _host_to_device(host: Trace, step, comm_events: list, lo: float, hi: float) -> float:
+    """Device microseconds per host microsecond of the rank's own work in one step.
+
+    From the step's start to its first collective the rank only computes, on both clocks, so the ratio of
+    the two spans maps the work before it (data loading is there) without the wall-clock waits later in the
+    step, which two ranks sharing a core stretch at random. Without a collective, the whole step's ratio.
+    """
+    host_lo = step.start_us
+    first_host = min(
+        (e.start_us for e in host.lane("comm") if host_lo <= e.start_us < step.end_us), default=None
+    )
+    first_dev = min((e.start_us for e in comm_events), default=None)
+    if first_host is not None and first_dev is not None and first_host > host_lo and first_dev > lo:
+        return (first_dev - lo) / (first_host - host_lo)
+    return (hi - lo) / max(step.end_us - host_lo, 1e-9)
+
+
 def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdown:
     """From the emulated device timeline (virtual time), with names from the host trace."""
     rows = []
@@ -282,11 +299,10 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
         syncs = _host_syncs(host, host_step.start_us, host_step.end_us) if host_step else []
         python_us = 0.0
         if host_step is not None and not data_us:
-            # Data loading the job did not name: what PyTorch records on the host (data_loading.py), its share
-            # of the host's step carried over to the device step (the virtual clock charges that work as
-            # compute, in its own time; a share is the same on both clocks while the rank runs alone)
+            # Data loading the job did not name: what PyTorch records on the host (data_loading.py), carried
+            # over to the device step (the virtual clock charges that work as compute, in its own time)
             found = data_time(host, host_step)
-            scale = (hi - lo) / max(host_step.end_us - host_step.start_us, 1e-9)
+            scale = _host_to_device(host, host_step, comm_events, lo, hi)
             data_us, python_us = _total(found.intervals) * scale, found.python_us * scale
         rows.append(
             dict(

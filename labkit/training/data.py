@@ -11,6 +11,8 @@ a step's compute on this machine, so that a planted data-loading bottleneck is o
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 from torch import nn
 
@@ -67,14 +69,18 @@ def tokenizer_passes(
     """Tokenizer passes per sample that cost about `share` of a forward and backward of `samples` samples,
     both on this rank's timer (`labkit.timer.clock`). The forward and backward timed is the model's second:
     on a GPU the first loads each kernel (CUDA's lazy module loading) and picks cuBLAS algorithms, many times
-    a warm step, which would size the tokenizer for a step the job never runs."""
+    a warm step, which would size the tokenizer for a step the job never runs. The median of three timed
+    ones: a single one varied by a fifth between calls on a busy 2-core machine."""
     x, y = synthetic_batch(config, samples, device=device)
     model(x, y).backward()  # warm, untimed
     model.zero_grad(set_to_none=True)
-    t0 = timer.clock()
-    model(x, y).backward()
-    step_s = timer.clock() - t0
-    model.zero_grad(set_to_none=True)
+    times = []
+    for _ in range(3):
+        t0 = timer.clock()
+        model(x, y).backward()
+        times.append(timer.clock() - t0)
+        model.zero_grad(set_to_none=True)
+    step_s = statistics.median(times)
     probe = RankSamples(config, 4, 0, 1, 1, passes=20)
     probe[0]  # once untimed: the first call pays for cold caches, and would make the tokenizer look slower
     t0 = timer.clock()
