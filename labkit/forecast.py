@@ -2,10 +2,11 @@
 shows.
 
 The course's targets for a timed lab are after/before <= 0.8 (the fix moves the number) and after/limit
-<= 1.25 (it comes near what no schedule can beat). `Forecast.shows()` applies them to numbers from labkit's
-own models, so that a lab's GPU defaults are chosen on paper and a test can say, without a GPU, that the
-lesson will show on a `Cluster.preset(...)` node. The notebook still measures; where its measurement misses
-a target it says that the lesson does not show on the machine it ran on (`verdict`).
+<= 1.25 (it comes near the lab's limit, e.g. lab 04's ideal GPipe or 1F1B pipeline for the same work).
+`Forecast.shows()` applies them to numbers from labkit's own models, so that a lab's GPU defaults are chosen
+on paper and a test can say, without a GPU, that the lesson will show on a `Cluster.preset(...)` node. The
+notebook still measures; where its measurement misses a target it says that the lesson does not show on the
+machine it ran on (`verdict`).
 
 `pipeline_forecast` is lab 04's (1F1B split by layer count with few micro-batches vs split by cost with the
 micro-batches the bubble target asks for): each layer's cost per micro-batch on paper (the blocks' and the
@@ -79,7 +80,7 @@ __all__ = [
 ]
 
 TARGET_RATIO = 0.8  # after / before at most: the fix moves the number
-TARGET_TO_LIMIT = 1.25  # after / limit at most: near what no schedule beats
+TARGET_TO_LIMIT = 1.25  # after / limit at most: near the lab's limit (its ideal for the same work)
 # Dense FP32 (not tensor-core) peak per GPU, TFLOP/s, from NVIDIA's datasheets: the labs train in fp32 with
 # TF32 off (PyTorch's default for matmuls), so their matmuls run at this rate, not at the 16-bit peak.
 FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5}

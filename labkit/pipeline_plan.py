@@ -146,7 +146,8 @@ def pipeline_step_time(costs_per_stage: Sequence[float], micro_batches: int) -> 
 
 
 def ideal_step_time(costs_per_stage: Sequence[float], micro_batches: int) -> float:
-    """The same work perfectly balanced: mean stage cost x (m + p - 1); no split beats it."""
+    """The same work perfectly balanced: mean stage cost x (m + p - 1); no split beats it under GPipe or 1F1B
+    (interleaving lowers the ideal to mean x (m + (p - 1) / v), Narayanan et al. 2021, section 2.2.2)."""
     validate.positive_int("micro_batches", micro_batches, "ideal_step_time(costs, micro_batches=8)")
     c = _check_costs(costs_per_stage, 1)
     return sum(c) / len(c) * (micro_batches + len(c) - 1)

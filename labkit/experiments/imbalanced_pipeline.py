@@ -268,7 +268,7 @@ class PipelineSummary:
     bubble: float  # measured: mean idle / step
     bubble_formula: float  # labkit.pipeline_plan.bubble_fraction
     imbalance: float  # max busy / mean busy
-    limit_ms: float  # the same work on a perfectly balanced ideal pipeline
+    limit_ms: float  # the same work on a perfectly balanced ideal pipeline of this schedule
     peak_bytes: list[int | None]
     grad_error: float | None
     loss_error: float | None
@@ -434,7 +434,8 @@ class Params(LabParams):
 def headline(w: Where, p: Params) -> LabRecords:
     """Lab 04's records: 1F1B over one stage per rank, split by layer count with few micro-batches, then split
     by measured layer cost (`labkit.pipeline_plan.balance`) with the micro-batches the bubble and the
-    activation memory allow; the limit is the same work perfectly balanced, mean stage cost x (m + p - 1)."""
+    activation memory allow; the limit is the same work perfectly balanced under GPipe or 1F1B, mean stage
+    cost x (m + p - 1) (interleaved and zero-bubble schedules have a lower ideal)."""
     config = p.config()
     stages = w.world_size
     one = profile_layers(seeded_model(config), *synthetic_batch(config, 1), repeats=1)  # sizes only
@@ -473,7 +474,8 @@ def headline(w: Where, p: Params) -> LabRecords:
         Meaning(
             before=f"1F1B step, {stages} stages split by layer count, {p.few_micro_batches} micro-batches",
             after=f"1F1B step, stages balanced by measured layer cost, {m} micro-batches",
-            limit="the same run's work perfectly balanced: mean stage cost per micro-batch x (m + p - 1)",
+            limit="the same run's work perfectly balanced under GPipe or 1F1B: mean stage cost per "
+            "micro-batch x (m + p - 1)",
         ),
         "pipeline step time: split by layer count vs balanced by measured cost",
         {
