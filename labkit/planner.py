@@ -288,8 +288,9 @@ def stage_compute_s(
     forwards = 2 if checkpointing else 1
 
     def fwd_bwd(m: float, n: float, k: float) -> float:
-        gemm = lambda a, b, c: gemm_s(a, b, c, rates.flops_per_s, rates.curve, elem)  # noqa: E731
-        return forwards * gemm(m, n, k) + gemm(m, k, n) + gemm(k, n, m)
+        """One matmul's forward(s), then its input's gradient (m x k) and its weight's (k x n)."""
+        shapes = [(m, n, k)] * forwards + [(m, k, n), (k, n, m)]
+        return sum(gemm_s(*shape, rates.flops_per_s, rates.curve, elem) for shape in shapes)
 
     block = sum(fwd_bwd(tokens, n, k) for n, k in ((qkv / tp, d), (d, d / tp), (f / tp, d), (d, f / tp)))
     attention = (forwards + 2) * tokens * 4.0 * s * d / tp / rates.flops_per_s
