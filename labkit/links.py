@@ -138,10 +138,14 @@ class Topology:
 # communication to computation looks like a GPU node's and not like a loopback socket's.
 #
 # Reference node: 8 x H100 SXM. Dense bf16 peak is 989 TFLOP/s per GPU (NVIDIA H100
-# datasheet); training runs reach about 40-50 % of it, call it 450 TFLOP/s. NVLink 4 gives
-# 450 GB/s per direction per GPU and NCCL's all-reduce bus bandwidth on such a node is about
-# 450 GB/s (nccl-tests on DGX H100), so about 1 byte of link per 1,000 FLOP. Between nodes
-# each GPU has one 400 Gb/s NDR InfiniBand port, 50 GB/s, so about 1 byte per 10,000 FLOP.
+# datasheet); training runs reach about 40-50 % of it, call it 450 TFLOP/s. NVLink 4's line
+# rate is 450 GB/s per direction per GPU (18 links x 25 GB/s). NCCL does not reach it: on such a
+# node its all-reduce bus bandwidth is ~370 GB/s with the ring (NVLink's protocol overhead, ~20 %)
+# and ~480 GB/s with NVLink SHARP (NVLS), its default for all-reduce there, where the NVSwitch
+# reduces (NCCL's maintainer in https://github.com/NVIDIA/nccl-tests/issues/212). 450 TFLOP/s
+# against 370-480 GB/s is 940-1,220 FLOP per byte: about 1 byte of link per 1,000 FLOP. Between
+# nodes each GPU has one 400 Gb/s NDR InfiniBand port, 50 GB/s (line rate), so about 1 byte per
+# 10,000 FLOP.
 #
 # One core of this CPU (each emulated GPU is one process on one core) reaches a measured
 # number of GFLOP/s in an fp32 matmul (`labkit.calibrate`); the links get that many FLOP/s divided by 1,000

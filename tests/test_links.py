@@ -3,6 +3,9 @@ the topology's slowest link, and the links scaled to this CPU."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from labkit.links import Link, Topology, bus_bandwidth_factor, collective_time_s, default_links
@@ -52,3 +55,59 @@ def test_the_links_scale_with_this_cpu():
     intra, inter = default_links(100.0)  # 100 GFLOP/s: 1 byte per 1,000 and per 10,000 FLOP
     assert intra.bandwidth_gb_s == pytest.approx(0.1) and inter.bandwidth_gb_s == pytest.approx(0.01)
     assert intra.latency_us < inter.latency_us
+
+
+# NCCL's cost model of a collective on one node (src/graph/tuning.cc in NVIDIA/nccl,
+# ncclTunerConstantsDefaults and ncclTopoTuneModel): a ring all-reduce costs baseLatencies[RING][proto]
+# + 2(n-1) x the NVLink hwLatencies[RING][proto], NVLS (Simple only) the NVLink hwLatencies[NVLS][SIMPLE]
+# alone; ncclTopoGetAlgoTime then adds bytes / bandwidth. Bus bandwidths on 8 x H100: ~370 GB/s ring,
+# ~480 GB/s NVLS (nccl-tests issue 212).
+NCCL_RING_BASE_US = {"LL": 6.6, "LL128": 14.0, "Simple": 8.4}
+NCCL_RING_NVLINK_STEP_US = {"LL": 0.6, "LL128": 1.9, "Simple": 3.4}
+NCCL_NVLS_NVLINK_US = 25.0
+RING_BUSBW, NVLS_BUSBW, LINE_RATE = 370e9, 480e9, 450e9
+HOPPER_LL_MAX_BUSBW = 141e9  # llMaxBws[Hopper][one node]; LL's bus bandwidth is also halved
+
+
+def _answer(lab: str, cell: int, start: str) -> str:
+    nb = json.loads((Path(__file__).parents[1] / "solutions" / f"{lab}.ipynb").read_text(encoding="utf-8"))
+    text = "".join(nb["cells"][cell]["source"])
+    return " ".join(text[text.index(start) :].split())  # one line: the markdown wraps anywhere
+
+
+def test_lab00_tensor_parallel_answer_follows_nccls_cost_model():
+    """Lab 00, practice answer 3: the latency and bandwidth terms of Megatron's per-layer all-reduce of
+    1 x 2048 x 4096 bf16 values over 8 H100s, as NCCL's tuning model and nccl-tests issue 212 give them."""
+    text = _answer("00_cluster_tour", 14, "3. `S = b·s·h·2 bytes")
+    n, steps, factor = 8, 14, bus_bandwidth_factor("all_reduce", 8)
+
+    def bw_us(nbytes, busbw):
+        return factor * nbytes / busbw * 1e6
+
+    ring_us = {p: NCCL_RING_BASE_US[p] + steps * NCCL_RING_NVLINK_STEP_US[p] for p in NCCL_RING_BASE_US}
+    assert steps == 2 * (n - 1)
+    s = 1 * 2048 * 4096 * 2
+    assert s == 16 * 2**20 and f"{s / 1e6:.1f} MB" in text
+    line, ring = bw_us(s, LINE_RATE), bw_us(s, RING_BUSBW)
+    assert f"= {line:.0f} µs` at the line rate, {ring:.0f} µs at the ~370" in text
+    assert "{:.0f}, {:.0f} or {:.0f} µs".format(*ring_us.values()) in text  # LL, LL128, Simple
+    ll_us = ring_us["LL"] + bw_us(s, min(HOPPER_LL_MAX_BUSBW, RING_BUSBW / 2))
+    assert ll_us > max(ring_us[p] + bw_us(s, RING_BUSBW) for p in ("LL128", "Simple"))  # so not LL at 16 MiB
+    assert "at most 141 GB/s on Hopper" in text
+    share = {p: ring_us[p] / (ring_us[p] + bw_us(s, RING_BUSBW)) for p in ("LL128", "Simple")}
+    said = f"{100 * share['LL128']:.0f} % and {100 * share['Simple']:.0f} % of the all-reduce at ~370 GB/s"
+    assert said in text
+    nvls = NCCL_NVLS_NVLINK_US / (NCCL_NVLS_NVLINK_US + bw_us(s, NVLS_BUSBW))
+    assert f"25 µs + {bw_us(s, NVLS_BUSBW):.0f} µs, latency {100 * nvls:.0f} %" in text
+    # the bandwidth term is the larger, by 1.4x (ring Simple) to 2.4x (NVLS)
+    ratios = [bw_us(s, RING_BUSBW) / ring_us[p] for p in ("LL128", "Simple")]
+    ratios.append(bw_us(s, NVLS_BUSBW) / NCCL_NVLS_NVLINK_US)
+    assert f"only {min(ratios):.1f} to {max(ratios):.1f} times the latency" in text
+    # micro-batch 4: the fixed cost shrinks to a small share
+    s4 = 4 * s
+    shares4 = [ring_us[p] / (ring_us[p] + bw_us(s4, RING_BUSBW)) for p in ("LL128", "Simple")]
+    shares4.append(NCCL_NVLS_NVLINK_US / (NCCL_NVLS_NVLINK_US + bw_us(s4, NVLS_BUSBW)))
+    assert f"at micro-batch 4 (64 MiB) it is {100 * min(shares4):.0f}-{100 * max(shares4):.0f} %" in text
+    # NCCL's choice at this size is NVLS: the smallest modelled time
+    nvls_us = NCCL_NVLS_NVLINK_US + bw_us(s, NVLS_BUSBW)
+    assert all(nvls_us < ring_us[p] + bw_us(s, RING_BUSBW) for p in ("LL128", "Simple"))
