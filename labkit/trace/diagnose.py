@@ -1,8 +1,9 @@
 """Name the likely bottleneck of a run from its traces, with the numbers that show it.
 
 `diagnose(traces)` reads one run's per-rank traces with `analyze.py` and checks, in this order, for
-the mistakes lab 05 plants (each seen in real jobs). Every rule compares a share of the step with a
-threshold, so it does not depend on the model's size:
+the mistakes lab 05 plants (each seen in real jobs). Most rules compare a share of the step with a
+threshold; two count collectives (`MANY_COLLECTIVES` per step, at most 4 blocking ones), so a model with
+fewer than `MANY_COLLECTIVES` parameter tensors is never flagged for a per-tensor all-reduce:
 
 1. **data loading**: a rank spends at least `DATA_SHARE` of its step loading data in the training
    process (`data_loading.py`: PyTorch's DataLoader spans, Python work outside any operator before the
