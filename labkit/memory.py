@@ -28,7 +28,8 @@ Table 2): s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations, 1-byte d
 and attention scores stored (no FlashAttention). Our lab model has no dropout and uses
 ``scaled_dot_product_attention`` (no s*s scores kept), so ``estimate`` counts, by default,
 the tensors autograd saves in ``labkit.models.GPT`` (see ``gpt_activation_bytes``),
-verified against ``measure``.
+verified against ``measure``. Recomputation (``estimate``'s ``checkpointing``): none, selective
+(the paper's section 5: the attention scores only, s*b*h*34 per layer) or full (each layer's input).
 
 Neighbours: ``labkit.measured_memory`` measures what these formulas predict (MemTracker, FakeTensor,
 the batch-size finder); ``labkit.experiments.oom_batch`` is lab 02's driver.
@@ -46,6 +47,7 @@ from labkit.activations import gpt_activations, korthikanti_activation_bytes
 from labkit.models import GPT, GPTConfig, check_tp_size
 
 __all__ = [
+    "CHECKPOINTING",
     "OPTIMIZERS",
     "PRECISIONS",
     "MemoryBreakdown",
@@ -133,6 +135,24 @@ PRECISIONS: dict[str, tuple[int, int, int, int, int]] = {
 # optimizer -> number of per-parameter state tensors
 OPTIMIZERS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
 
+# Activation recomputation that `estimate` knows (Korthikanti et al. 2022, sections 4.1 and 5, Table 2): keep
+# every activation; recompute only the attention's QK^T, softmax, dropout and product with V; recompute each
+# whole layer from its input.
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def _checkpointing_mode(checkpointing: bool | str) -> str:
+    """`estimate`'s ``checkpointing`` as one of `CHECKPOINTING`: False is "none", True is "full"."""
+    if isinstance(checkpointing, bool):
+        return "full" if checkpointing else "none"
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(
+            f"checkpointing={checkpointing!r} must be a bool or one of {', '.join(map(repr, CHECKPOINTING))} "
+            "(True is 'full', False is 'none'); e.g. estimate(..., checkpointing='selective') recomputes "
+            "only the attention scores"
+        )
+    return checkpointing
+
 
 def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter; ZeRO's K is the third.
@@ -190,7 +210,7 @@ def estimate(
     optimizer: str = "adam",
     micro_batch: int = 1,
     seq_len: int | None = None,
-    checkpointing: bool = False,
+    checkpointing: bool | str = False,
     keep_grads: bool = False,
     activations: str = "gpt",
     tp: int = 1,
@@ -207,8 +227,14 @@ def estimate(
     * ``activations="gpt"`` (default): ``gpt_activation_bytes``, the tensors our GPT saves,
       and ``other`` = the loss-gradient temporaries (2 x tokens x vocab);
     * ``activations="korthikanti"``: the paper's per-layer formula as published (16-bit),
-      doubled for fp32 activations (this course's adaptation); ``checkpointing`` selects its
-      full recomputation (2*s*b*h per layer).
+      doubled for fp32 activations (this course's adaptation).
+
+    ``checkpointing``: ``False`` or ``"none"`` keeps every activation; ``True`` or ``"full"``
+    recomputes each block from its input (the paper's 2*s*b*h per layer); ``"selective"``
+    recomputes only the attention's QK^T, softmax, dropout and product with V (Korthikanti et al. 2022,
+    section 5): the paper's count loses its 5*a*s/h term, s*b*h*34 per layer at tp = 1. Our
+    GPT's fused attention (``scaled_dot_product_attention``) already keeps no s*s scores and
+    recomputes them in backward, so for ``activations="gpt"`` "selective" is the same as "none".
 
     ``total`` is the sum of all categories. ``peak`` is when they coexist: gradients appear
     during backward as activations are freed, so unless ``keep_grads`` (gradients living
@@ -250,12 +276,13 @@ def estimate(
     if seq_len is not None:
         validate.positive_int("seq_len", seq_len)
     validate.one_of("activations", activations, ("gpt", "korthikanti"))
+    recompute = _checkpointing_mode(checkpointing)
     validate.positive_int("tp", tp, "estimate(..., tp=4), the tensor-parallel size")
     validate.positive_int("pp", pp, "estimate(..., pp=2), the number of pipeline stages")
     if micro_batches is not None:
         validate.positive_int("micro_batches", micro_batches, "estimate(..., pp=4, micro_batches=8)")
     n, config = _count_params(params, model)
-    knobs = _Knobs(dp, zero_stage, precision, optimizer, micro_batch, seq_len, checkpointing, keep_grads,
+    knobs = _Knobs(dp, zero_stage, precision, optimizer, micro_batch, seq_len, recompute, keep_grads,
                    activations, tp)
     if config is None:
         return _estimate_stage(_shard(n, tp * pp), None, 1, 0, knobs, f"tp={tp}, pp={pp}")
@@ -323,7 +350,7 @@ class _Knobs:
     optimizer: str
     micro_batch: int
     seq_len: int | None
-    checkpointing: bool
+    checkpointing: str  # one of CHECKPOINTING
     keep_grads: bool
     activations: str
     tp: int
@@ -351,6 +378,8 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k
     peak = param_mem + opt_mem + (grad_mem if k.keep_grads else 0) + transient
     parallel = "" if where == "tp=1, pp=1" else f", {where}"
     setting = f"{k.precision}, {k.optimizer}, dp={k.dp}, ZeRO-{k.zero_stage}, {k.activations}"
+    if k.checkpointing != "none":
+        setting += f", {k.checkpointing} recomputation"
     source = f"estimate ({setting}{parallel})"
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, act_mem, other, peak, source)
 
@@ -377,7 +406,7 @@ def _activations(
     micro_batch: int,
     seq: int,
     precision: str,
-    checkpointing: bool,
+    checkpointing: str,
     activations: str,
     live_grads: int,
     tp: int = 1,
@@ -397,7 +426,7 @@ def _activations(
             config.d_model,
             config.n_heads,
             blocks,
-            recompute="full" if checkpointing else "none",
+            recompute=checkpointing,
             tp=tp,
         )
         if PRECISIONS[precision][4] == 4:
@@ -406,7 +435,8 @@ def _activations(
     parts = gpt_activations(config, micro_batch, seq, precision, tp)
     head = parts.head if has_head else 0
     other = parts.loss_temps if has_head else 0
-    if not checkpointing:
+    # Selective recomputation drops the s*s scores; fused attention keeps none, so nothing changes here.
+    if checkpointing != "full":
         act = in_flight * blocks * parts.per_block + head
         return act, other, act + other
     kept = in_flight * blocks * parts.block_input

@@ -393,8 +393,12 @@ def plan(
     For each layout the fastest fitting option among `micro_batch_sizes` (default: every divisor of the
     per-replica batch), `zero_stages` and `checkpointing` is kept. A tp group that crosses nodes is
     rejected unless `tp_across_nodes` (it is still predicted, to show what it costs). `headroom`: the share
-    of memory kept free for what `estimate` does not count (communication buffers, optimizer temporaries,
-    the allocator's rounding and fragmentation: lab 02), so a layout fits if its peak <= (1 - headroom) x cap.
+    of memory kept free for what `estimate` does not count, so a layout fits if its peak <= (1 - headroom) x
+    cap: the CUDA context of each process (a few hundred MiB of kernels and driver state that
+    `torch.cuda.memory_allocated` does not count: its docs; 287 MB with CUDA's lazy module loading, 667 MB
+    without, in pytorch/pytorch#86509), NCCL's buffers (per channel and peer, `NCCL_BUFFSIZE`, 4 MiB by
+    default, for its Simple protocol: NCCL docs, "Environment Variables"; `DEFAULT_BUFFSIZE` in src/init.cc),
+    optimizer temporaries, and the caching allocator's rounding and fragmentation (lab 02).
     `dp_overlap`: the dp all-reduce runs in buckets under backward, as DDP runs it (False: after backward).
     """
     config = GPTConfig.preset(model) if isinstance(model, str) else model

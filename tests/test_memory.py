@@ -79,6 +79,29 @@ def test_estimate_uses_korthikanti_s_count_when_asked() -> None:
     assert estimate(**paper, precision="fp32").activations == 2 * 7488  # course adaptation
 
 
+def test_estimate_selective_recomputation() -> None:
+    # Korthikanti's count for s=4, b=2, h=8, a=2, L=3 (tests/test_activations.py): none 7488, selective 34*sbh
+    # = 6528 per 3 layers, full 384, in 16-bit; bools keep their meaning (True: full, False: none).
+    config = GPTConfig(n_layers=3, d_model=8, n_heads=2, seq_len=4)
+    paper = {"model": config, "micro_batch": 2, "activations": "korthikanti", "precision": "mixed"}
+    by_mode = {m: estimate(**paper, checkpointing=m).activations for m in ("none", "selective", "full")}
+    assert by_mode == {"none": 7488, "selective": 6528, "full": 384}
+    assert estimate(**paper, checkpointing=False) == estimate(**paper, checkpointing="none")
+    assert estimate(**paper, checkpointing=True) == estimate(**paper, checkpointing="full")
+    assert "selective recomputation" in estimate(**paper, checkpointing="selective").source
+    # Our GPT's fused attention keeps no s*s scores (the count above matches what autograd saves), so
+    # selective recomputation has nothing left to drop there.
+    ours = {"model": SMALL, "micro_batch": 8, "precision": "fp32"}
+    assert estimate(**ours, checkpointing="selective").peak == estimate(**ours).peak
+    assert estimate(**ours, checkpointing="full").peak < estimate(**ours).peak
+    # Llama-2-7B's sizes at s = 4096, one sequence, Korthikanti's count: 32 layers x sbh(34 + 5as/h),
+    # 5as/h = 5 * 32 * 4096 / 4096 = 160: 194 x 2**24 x 32 bytes = 97 GiB; selective 34/194 of it, 17 GiB.
+    big = {"model": GPTConfig.preset("llama2-7b"), "seq_len": 4096, "activations": "korthikanti"}
+    assert estimate(**big).activations == 32 * 4096 * 4096 * 194 == 97 * 2**30
+    assert estimate(**big, checkpointing="selective").activations == 17 * 2**30
+    assert estimate(**big, checkpointing="full").activations == 2**30
+
+
 def test_activation_count_matches_tensors_saved_for_backward() -> None:
     # Sum the storages autograd saves (parameters excluded) and compare with the count.
     config = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=96, n_kv_heads=2)
@@ -123,6 +146,8 @@ def test_checkpointing_and_bf16_shrink_the_estimate() -> None:
         ({"model": GPTConfig(), "micro_batch": 0}, ["micro_batch=0"]),
         ({"model": GPTConfig(), "seq_len": -1}, ["seq_len=-1"]),
         ({"model": GPTConfig(), "activations": "exact"}, ["'exact'", "korthikanti"]),
+        ({"params": 100, "checkpointing": "attention"}, ["checkpointing='attention'", "'selective'", "bool"]),
+        ({"params": 100, "checkpointing": 1}, ["checkpointing=1", "'none', 'selective', 'full'"]),
     ],
 )
 def test_estimate_rejects_bad_input(kwargs: dict, words: list[str]) -> None:
