@@ -218,7 +218,8 @@ def layout_forecast(
     where: str = "",
 ) -> Forecast:
     """Lab 01 on paper: tensor parallelism over every GPU of `cluster` (before) against the planner's pick
-    (after), as the lab plans (fp32, Adam, no ZeRO, no checkpointing, `cluster.memory_gib` per GPU). The limit
+    (after), as the lab plans (fp32, Adam, no ZeRO, no checkpointing, its dp all-reduce after backward,
+    `cluster.memory_gib` per GPU). The limit
     is the fastest layout the planner accepts, on paper the pick itself (the lab's limit is the fastest one
     measured), so only after/before tells here."""
     the_plan = plan(
@@ -230,6 +231,7 @@ def layout_forecast(
         micro_batch_sizes=micro_batch_sizes,
         zero_stages=(0,),
         checkpointing=(False,),
+        dp_overlap=False,  # the lab's runs all-reduce the gradients in one call after backward
     )
     tp_all = the_plan.candidate(1, cluster.world_size, 1)
     if tp_all.predicted_ms is None:
