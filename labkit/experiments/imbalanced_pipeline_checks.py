@@ -9,16 +9,28 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["check_balance"]
+from labkit.experiments.own_answer import Reference, refusing
+from labkit.pipeline_plan import balance
+
+__all__ = ["BALANCE_REFERENCE", "check_balance"]
+
+BALANCE_REFERENCE = Reference(
+    balance,
+    "labkit.pipeline_plan.balance",
+    "write the dynamic programme yourself (the hint above the exercise gives its recurrence)",
+)
 
 
-def _best_bottleneck(costs: Sequence[float], stages: int) -> float:
-    """The cheapest most-expensive stage over every contiguous split (brute force: small inputs only)."""
-    n, best = len(costs), math.inf
+def _best_split(costs: Sequence[float], stages: int) -> tuple[float, list[int]]:
+    """The cheapest most-expensive stage over every contiguous split, and that split's layers per stage
+    (brute force: small inputs only)."""
+    n, best, sizes = len(costs), math.inf, [len(costs)]
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
-        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
-    return best
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+        if worst < best:
+            best, sizes = worst, [b - a for a, b in itertools.pairwise(bounds)]
+    return best, sizes
 
 
 # Cases chosen so that the usual wrong answers fail on at least one: a heavy last layer (a split by
@@ -70,7 +82,7 @@ def _check_shape(name: str, costs: list[float], stages: int, got: Any) -> list[i
 
 def _check_cost(name: str, costs: list[float], stages: int, got: list[int]) -> None:
     """AssertionError unless `got`'s most expensive stage is the cheapest possible, saying which mistake."""
-    best = _best_bottleneck(costs, stages)
+    best, split = _best_split(costs, stages)
     bounds = [0, *itertools.accumulate(got)]
     worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
     if worst <= best + 1e-9:
@@ -85,7 +97,7 @@ def _check_cost(name: str, costs: list[float], stages: int, got: list[int]) -> N
     why = "that is the split by layer count, which ignores what the layers cost" if got == even else greedy
     raise AssertionError(
         f"{name}({costs}, {stages}) returned {got}, whose most expensive stage costs "
-        f"{worst:g}; the best split's costs {best:g}: {why}."
+        f"{worst:g}; the best split, {split}, costs {best:g}: {why}."
     )
 
 
@@ -114,14 +126,18 @@ def _check_refusals(fn: Callable[[list[float], int], list[int]]) -> None:
 
 def check_balance(fn: Callable[[list[float], int], list[int]], seed: int = 0) -> int:
     """Lab 04: `fn(costs, stages)` returns the layers per stage of the contiguous split whose most expensive
-    stage is cheapest (equal to brute force), and refuses impossible input. Returns the cases checked."""
+    stage is cheapest (equal to brute force), and refuses impossible input, without calling
+    `labkit.pipeline_plan.balance`. Returns the cases checked."""
     rng = random.Random(seed)
     cases = list(_BALANCE_CASES)
     for _ in range(30):
         n = rng.randint(2, 9)
         cases.append(([round(rng.uniform(0.5, 9.0), 2) for _ in range(n)], rng.randint(1, n)))
     for costs, stages in cases:
-        got = _check_shape(fn.__name__, costs, stages, fn(list(costs), stages))
+        with refusing(fn, [BALANCE_REFERENCE]):
+            answer = fn(list(costs), stages)
+        got = _check_shape(fn.__name__, costs, stages, answer)
         _check_cost(fn.__name__, costs, stages, got)
-    _check_refusals(fn)
+    with refusing(fn, [BALANCE_REFERENCE]):
+        _check_refusals(fn)
     return len(cases)

@@ -8,16 +8,64 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from labkit.experiments.own_answer import Reference, refusing
+from labkit.experiments.slips import name_slip, unit_slips
 from labkit.links import Link, collective_time_s
 from labkit.models import GPTConfig
 from labkit.planner import tp_comm_s
 
-__all__ = ["check_layout_choice", "check_tp_comm"]
+__all__ = ["TP_COMM_REFERENCE", "check_layout_choice", "check_tp_comm"]
+
+
+TP_COMM_REFERENCE = Reference(
+    tp_comm_s,
+    "labkit.planner.tp_comm_s",
+    "write it from labkit.links.collective_time_s: how many all-reduces per block, of how many bytes",
+)
+
+
+def _tp_slips(config: GPTConfig, mb: int, tp: int, link: Link, want: float) -> list[tuple[float, str]]:
+    """What each usual slip gives for this case (ms), with its hint."""
+
+    def ms(per_block: int, nbytes: float, blocks: int = config.n_layers) -> float:
+        return blocks * per_block * collective_time_s("all_reduce", nbytes, tp, link) * 1e3
+
+    nbytes = mb * config.seq_len * config.d_model * 4
+    return [
+        *unit_slips(want, "ms"),
+        (
+            ms(2, nbytes),
+            "half of it. You counted the forward's two all-reduces per block (g); backward has two more "
+            "(f's gradient before attention and before the MLP): 4 per block",
+        ),
+        (
+            ms(4, nbytes / 2),
+            "what 2 bytes per element give: the lab's model is fp32, 4 bytes per element (bf16 would be 2)",
+        ),
+        (
+            ms(4, nbytes / 4),
+            "what the activation's element count gives as bytes: multiply micro_batch x seq x d_model by "
+            "the 4 bytes of an fp32 element",
+        ),
+        (
+            ms(4, nbytes // tp),
+            "as if each rank all-reduced a 1/tp shard. The tensor each rank all-reduces is the whole "
+            "activation (micro_batch x seq x d_model), not a 1/tp shard: each rank holds a partial sum of "
+            "all of it",
+        ),
+        (ms(4, nbytes, blocks=1), f"one block's worth: multiply by the {config.n_layers} blocks"),
+        (
+            want * tp,
+            f"{tp} times too much, as if the tp ranks' times added up: the {tp} ranks take part in each "
+            "all-reduce together, so one all-reduce costs each of them collective_time_s once",
+        ),
+    ]
 
 
 def check_tp_comm(fn: Callable[..., float]) -> None:
     """Lab 01: `fn(config, micro_batch, tp, link)` gives the ms of tensor-parallel all-reduces for one
-    micro-batch through every block (`labkit.planner.tp_comm_s`, without checkpointing, fp32)."""
+    micro-batch through every block (`labkit.planner.tp_comm_s`, without checkpointing, fp32), without
+    calling it."""
 
     nvlink, ib = Link(450.0, 5.0, "NVLink"), Link(50.0, 10.0, "InfiniBand")
     cases = [
@@ -27,7 +75,8 @@ def check_tp_comm(fn: Callable[..., float]) -> None:
     ]
     for config, mb, tp, link in cases:
         want = tp_comm_s(config, mb, tp, link) * 1e3
-        got = fn(config, mb, tp, link)
+        with refusing(fn, [TP_COMM_REFERENCE]):
+            got = fn(config, mb, tp, link)
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             raise AssertionError(f"return a number of milliseconds, not {got!r}")
         where = (
@@ -36,32 +85,19 @@ def check_tp_comm(fn: Callable[..., float]) -> None:
         )
         if math.isclose(got, want, rel_tol=0.02):
             continue
-        nbytes = mb * config.seq_len * config.d_model * 4
-        shard = config.n_layers * 4 * collective_time_s("all_reduce", nbytes // tp, tp, link) * 1e3
-        ratio = got / want if want else math.inf
-        if math.isclose(ratio, 0.5, rel_tol=0.05):
-            raise AssertionError(
-                f"{where}: you gave {got:.3f} ms, half of {want:.3f} ms. You counted the forward's "
-                "two all-reduces per block (g); backward has two more (f's gradient before attention "
-                "and before the MLP): 4 per block."
-            )
-        if math.isclose(got, shard, rel_tol=0.05) or math.isclose(ratio, 1 / tp, rel_tol=0.05):
-            raise AssertionError(
-                f"{where}: you gave {got:.3f} ms for {want:.3f} ms, as if each rank all-reduced a 1/tp "
-                "shard. The tensor each rank all-reduces is the whole activation (micro_batch x seq x "
-                "d_model), not a 1/tp shard: each rank holds a partial sum of all of it."
-            )
-        if math.isclose(ratio, 1 / config.n_layers, rel_tol=0.05):
-            raise AssertionError(
-                f"{where}: you gave {got:.3f} ms, one block's worth of {want:.3f} ms: multiply by "
-                f"the {config.n_layers} blocks."
-            )
+        slip = name_slip(got, _tp_slips(config, mb, tp, link, want), rel_tol=0.02)
         raise AssertionError(
-            f"{where}: you gave {got:.3f} ms, expected {want:.3f} ms. Per block: 4 all-reduces of "
-            "micro_batch x seq x d_model x 4 bytes (fp32), each "
-            "labkit.links.collective_time_s('all_reduce', nbytes, tp, link) seconds."
+            f"{where}: you gave {got:.6g} ms, expected {want:.6g} ms: "
+            + (
+                f"{slip}."
+                if slip
+                else "Per block: 4 all-reduces of micro_batch x seq x d_model x 4 bytes (fp32), each "
+                "labkit.links.collective_time_s('all_reduce', nbytes, tp, link) seconds."
+            )
         )
-    if fn(cases[0][0], 4, 1, nvlink) != 0:
+    with refusing(fn, [TP_COMM_REFERENCE]):
+        alone = fn(cases[0][0], 4, 1, nvlink)
+    if alone != 0:
         raise AssertionError("with tp=1 there is no tensor parallelism and nothing to all-reduce: return 0")
 
 
@@ -101,10 +137,22 @@ def check_layout_choice(layout: Any, reason: str, plan: Any) -> Any:
         )
     numbers = [float(v) for v in re.findall(r"\d+(?:\.\d+)?", reason or "")]
     mib = chosen.memory.peak / 2**20
+    other_units = {
+        "ms": [(chosen.predicted_ms / 1e3, "seconds")],
+        "MiB": [(mib / 1024, "GiB"), (mib * 2**20, "bytes")],
+    }
     for what, value, unit in (("predicted step", chosen.predicted_ms, "ms"), ("memory per GPU", mib, "MiB")):
-        if not any(math.isclose(v, value, rel_tol=0.05) for v in numbers):
-            raise AssertionError(
-                f"my_reason={reason!r} does not quote the planner's {what} for {chosen.layout} "
-                f"({value:.1f} {unit}): explain the choice with the plan's numbers"
-            )
+        if any(math.isclose(v, value, rel_tol=0.05) for v in numbers):
+            continue
+        in_other = [
+            f" (you quote it in {name}, {number:g}: say it in {unit}, as the plan's table does)"
+            for other, name in other_units[unit]
+            for number in numbers
+            if math.isclose(number, other, rel_tol=0.05)
+        ]
+        said = in_other[0] if in_other else ""
+        raise AssertionError(
+            f"my_reason={reason!r} does not quote the planner's {what} for {chosen.layout} "
+            f"({value:.1f} {unit}){said}: explain the choice with the plan's numbers"
+        )
     return chosen

@@ -5,9 +5,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from labkit.experiments.own_answer import Reference, refusing
+from labkit.experiments.slips import name_slip
 from labkit.trace.analyze import RankBreakdown
+from labkit.trace.diagnose import _check_straggler, diagnose, findings
 
-__all__ = ["check_find_straggler"]
+__all__ = ["STRAGGLER_REFERENCES", "check_find_straggler"]
+
+# labkit's own straggler rule, which reads the same breakdowns (at its own threshold)
+STRAGGLER_REFERENCES = [
+    Reference(
+        _check_straggler,
+        "labkit.trace.diagnose's straggler rule",
+        "compare each rank's compute_ms with the median of the others' yourself",
+    ),
+    Reference(
+        diagnose,
+        "labkit.trace.diagnose",
+        "compare each rank's compute_ms with the median of the others' yourself",
+    ),
+    Reference(
+        findings,
+        "labkit.trace.findings",
+        "compare each rank's compute_ms with the median of the others' yourself",
+    ),
+]
 
 
 def _breakdown(rank: int, compute: float, step: float = 100.0) -> Any:
@@ -40,7 +62,8 @@ def check_find_straggler(fn: Callable[[list[Any]], Any]) -> None:
         ([_breakdown(0, 70.0), _breakdown(1, 80.0), _breakdown(2, 72.0)], None),  # 1.1x: below the threshold
     ]
     for breakdown, expected in cases:
-        got = fn(breakdown)
+        with refusing(fn, STRAGGLER_REFERENCES):
+            got = fn(breakdown)
         computes = {b.rank: b.compute_ms for b in breakdown}
         waits = {b.rank: b.wait_ms for b in breakdown}
         if expected is None:
@@ -74,9 +97,28 @@ def check_find_straggler(fn: Callable[[list[Any]], Any]) -> None:
                     "instead."
                 )
             if not isinstance(ratio, (int, float)) or abs(ratio - want) > 0.02 * want:
+                everyone = sorted(computes.values())
+                mid = len(everyone) // 2
+                with_itself = (
+                    everyone[mid] if len(everyone) % 2 else (everyone[mid - 1] + everyone[mid]) / 2
+                )
+                slip = isinstance(ratio, (int, float)) and name_slip(
+                    ratio,
+                    [
+                        (1 / want, "upside down: the others' median over the straggler's compute"),
+                        (100 * want, "a percentage: return the plain ratio (1.8, not 180)"),
+                        (want - 1, "how much more it computes (ratio - 1): return the ratio itself"),
+                        (
+                            computes[expected] / with_itself,
+                            "over a median that includes the straggler itself: take the median of the "
+                            "other ranks' compute only",
+                        ),
+                    ],
+                    rel_tol=0.02,
+                )
                 raise AssertionError(
                     f"rank {rank} is right, but the ratio {ratio!r} is not its compute over the "
-                    f"median of the other ranks' ({want:.2f})"
+                    f"median of the other ranks' ({want:.2f})" + (f": it is {slip}" if slip else "")
                 )
             continue
         fastest = min(computes, key=computes.get)
