@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from labkit.experiments.own_answer import Reference, refusing
-from labkit.experiments.slips import name_slip, unit_slips
+from labkit.experiments.slips import name_slip_across, unit_slips
 from labkit.links import Link, collective_time_s
 from labkit.models import GPTConfig
 from labkit.planner import tp_comm_s
@@ -73,21 +73,27 @@ def check_tp_comm(fn: Callable[..., float]) -> None:
         (GPTConfig(n_layers=24, d_model=2048, n_heads=16, vocab_size=1024, seq_len=1024), 2, 8, nvlink),
         (GPTConfig(n_layers=4, d_model=512, n_heads=8, vocab_size=256, seq_len=256), 1, 2, ib),
     ]
+    wants, gots = [], []
     for config, mb, tp, link in cases:
-        want = tp_comm_s(config, mb, tp, link) * 1e3
         with refusing(fn, [TP_COMM_REFERENCE]):
             got = fn(config, mb, tp, link)
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             raise AssertionError(f"return a number of milliseconds, not {got!r}")
+        wants.append(tp_comm_s(config, mb, tp, link) * 1e3)
+        gots.append(got)
+    pairs = enumerate(zip(gots, wants, strict=True))
+    wrong = [i for i, (got, want) in pairs if not math.isclose(got, want, rel_tol=0.02)]
+    if wrong:
+        first = wrong[0]
+        config, mb, tp, link = cases[first]
         where = (
             f"{config.n_layers} blocks, d_model {config.d_model}, seq {config.seq_len}, micro-batch {mb}, "
             f"tp={tp} over {link.name} ({link.bandwidth_gb_s:g} GB/s, {link.latency_us:g} µs)"
         )
-        if math.isclose(got, want, rel_tol=0.02):
-            continue
-        slip = name_slip(got, _tp_slips(config, mb, tp, link, want), rel_tol=0.02)
+        slips = [_tp_slips(*case, want) for case, want in zip(cases, wants, strict=True)]
+        slip = name_slip_across([gots[i] for i in wrong], [slips[i] for i in wrong], rel_tol=0.02)
         raise AssertionError(
-            f"{where}: you gave {got:.6g} ms, expected {want:.6g} ms: "
+            f"{where}: you gave {gots[first]:.6g} ms, expected {wants[first]:.6g} ms: "
             + (
                 f"{slip}."
                 if slip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-__all__ = ["name_slip", "scaled", "unit_slips"]
+__all__ = ["name_slip", "name_slip_across", "scaled", "unit_slips"]
 
 
 def scaled(want: float, factors: Iterable[tuple[float, str]]) -> list[tuple[float, str]]:
@@ -43,3 +43,18 @@ def name_slip(got: float, slips: Iterable[tuple[float, str]], rel_tol: float = 0
         if value and math.isclose(got, value, rel_tol=rel_tol):
             return hint
     return None
+
+
+def name_slip_across(
+    gots: list[float], slips: list[list[tuple[float, str]]], rel_tol: float = 0.01
+) -> str | None:
+    """The hint of the slip that gives every one of `gots` (`slips[i]` lists case i's, in the same order for
+    every case), so that two slips that coincide on one case are told apart by another; else that of the
+    first slip the first wrong case matches; else None."""
+    for k, (_, hint) in enumerate(slips[0]):
+        if all(
+            value and math.isclose(got, value, rel_tol=rel_tol)
+            for got, (value, _) in zip(gots, (case[k] for case in slips), strict=True)
+        ):
+            return hint
+    return name_slip(gots[0], slips[0], rel_tol)

@@ -117,6 +117,17 @@ TP_MISTAKES = {
         {"config.n_layers * 4 * collective_time_s": "4 * collective_time_s"},
         "multiply by the",
     ),
+    "seconds, not ms": ({'nbytes, tp, link) * 1e3': "nbytes, tp, link)"}, "that is seconds"),
+    "bf16's 2 bytes per element": ({"config.d_model * 4\n": "config.d_model * 2\n"}, "2 bytes per element"),
+    "elements counted as bytes": ({"config.d_model * 4\n": "config.d_model\n"}, "element count"),
+    "every tp rank's time added": ({"* 1e3\n": "* 1e3 * tp\n"}, "times too much"),
+    "labkit's own answer": (
+        {
+            ("    if tp == 1:", "* 1e3\n"): "    from labkit.planner import tp_comm_s\n"
+            "    return tp_comm_s(config, micro_batch, tp, link) * 1e3\n"
+        },
+        "labkit.planner.tp_comm_s, labkit's own answer",
+    ),
 }
 LAYOUT = ("my_layout = (mine.dp, mine.tp, mine.pp)", "check_layout_choice(my_layout")
 # a product that is not the world size, and a reason without the plan's numbers: tests/test_planner.py
@@ -124,6 +135,10 @@ LAYOUT_MISTAKES = {
     "plain data parallelism": ({LAYOUT[0]: "my_layout = (8, 1, 1)"}, "more model parallelism"),
     "tensor parallel over every GPU": ({LAYOUT[0]: "my_layout = (1, 8, 1)"}, "tp group crosses nodes"),
     "a slow layout that fits": ({LAYOUT[0]: "my_layout = (1, 4, 2)"}, "more than 10 % above the fastest"),
+    "memory quoted in GiB": (
+        {"{mine.memory.peak / 2**20:.1f} MiB": "{mine.memory.peak / 2**30:.3f} GiB"},
+        "you quote it in GiB",
+    ),
 }
 
 

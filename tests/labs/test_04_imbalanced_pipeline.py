@@ -80,6 +80,10 @@ MISTAKES = {
         },
         "raise ValueError",
     ),
+    "labkit's own answer": (
+        {_DP: "    from labkit.pipeline_plan import balance\n\n    return balance(costs, stages)"},
+        "labkit.pipeline_plan.balance, labkit's own answer",
+    ),
 }
 
 

@@ -72,6 +72,22 @@ MISTAKES_MADE = {
         },
         "median of the other ranks",
     ),
+    "the ratio upside down": (
+        {"return (slow.rank, ratio) if": "return (slow.rank, 1 / ratio) if"},
+        "upside down",
+    ),
+    "a percentage": (
+        {"return (slow.rank, ratio) if": "return (slow.rank, 100 * ratio) if"},
+        "a percentage",
+    ),
+    "labkit's own rule": (
+        {
+            ("    slow = max(", "else None"): "    from labkit.trace.diagnose import _check_straggler\n\n"
+            "    found = _check_straggler(breakdown)\n"
+            "    return None if found is None else (found.rank, 2.0)"
+        },
+        "labkit's own answer",
+    ),
 }
 
 
