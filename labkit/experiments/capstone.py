@@ -178,18 +178,20 @@ def step_ms(run: list[JobResult]) -> float:
     return max(r.step_ms for r in run)
 
 
-def _fit_memory(cap: Capstone, job: TrainingJob, world_size: int, headroom: float = 0.9) -> TrainingJob:
-    """`job` with the largest micro-batch whose estimate fits `headroom` of the GPU's memory, global batch
-    kept (what the notebook's exercise asks for; ValueError when not even one sequence fits)."""
+def _fit_memory(
+    job: TrainingJob, model: GPTConfig, memory_mib: float, world_size: int, headroom: float = 0.9
+) -> TrainingJob:
+    """`job` with the largest micro-batch that divides a rank's share of the global batch and whose estimate
+    fits `headroom` of `memory_mib` (what the notebook's exercise 1 asks for; ValueError when not even one
+    sequence fits). Accumulating (micro-batch below the share), the gradients stay beside the next
+    micro-batch's activations (`keep_grads`)."""
     share = job.global_batch // world_size
     for m in (d for d in range(share, 0, -1) if share % d == 0):
-        need = estimate(
-            model=cap.model, micro_batch=m, optimizer="adam", precision="fp32", keep_grads=m < share
-        )
-        if need.peak <= headroom * cap.memory_mib * _MIB:
+        need = estimate(model=model, micro_batch=m, optimizer="adam", precision="fp32", keep_grads=m < share)
+        if need.peak <= headroom * memory_mib * _MIB:
             return dataclasses.replace(job, micro_batch=m)
     raise ValueError(
-        f"not even a micro-batch of 1 fits {cap.memory_mib} MiB: checkpointing, bf16 or sharding next"
+        f"not even a micro-batch of 1 fits {memory_mib} MiB: checkpointing, bf16 or sharding next"
     )
 
 
@@ -247,7 +249,7 @@ def headline(w: Where, p: Params) -> LabRecords:
     oom = runs is None
     if oom:
         found.append("oom_batch")
-        job = _fit_memory(cap, job, w.world_size)
+        job = _fit_memory(job, cap.model, cap.memory_mib, w.world_size)
         if (runs := attempt([job], "memory_fixed")) is None:
             raise RuntimeError(
                 f"micro_batch={job.micro_batch} still runs out of {cap.memory_mib} MiB per rank"

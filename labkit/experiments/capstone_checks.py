@@ -98,13 +98,24 @@ def _row(
     return {"mistake": name, "found": name in named, "fixed": ok, "evidence": why}, problems
 
 
-def _out_of_memory(cap: Capstone, named: set[str], report: CapstoneReport, err: RankError) -> AssertionError:
+def _out_of_memory(
+    cap: Capstone, named: set[str], fixed: TrainingJob, report: CapstoneReport, err: RankError
+) -> AssertionError:
     for m in cap.planted:
         evidence = "the fixed job does not run: OOM" if m == "oom_batch" else "not measured"
         report.rows.append({"mistake": m, "found": m in named, "fixed": False, "evidence": evidence})
+    if "oom_batch" in named and fixed.micro_batch == cap.job.micro_batch:
+        # the learner fixed the memory, then a later fix started again from cap.job (issue 27)
+        what = (
+            f"micro_batch is back to the job as handed's {cap.job.micro_batch}, though oom_batch is in "
+            "found: a fix after the memory fix undid it (does fix() start again from cap.job instead of "
+            "the job it is given?)"
+        )
+    else:
+        what = MISTAKES["oom_batch"].fix
     report.problems.append(
-        f"the fixed job runs out of memory ({cap.memory_mib:.1f} MiB per rank): "
-        f"{MISTAKES['oom_batch'].fix}. The error: {str(err).splitlines()[0]}"
+        f"the fixed job runs out of memory ({cap.memory_mib:.1f} MiB per rank): {what}. The error: "
+        f"{str(err).splitlines()[0]}"
     )
     return AssertionError(str(report))
 
@@ -152,7 +163,7 @@ def check_capstone(
     except RankError as err:
         if not isinstance(err.__cause__, torch.OutOfMemoryError):
             raise
-        raise _out_of_memory(cap, named, report, err) from None
+        raise _out_of_memory(cap, named, fixed, report, err) from None
     clean: list[JobResult] = [rank[0] for rank in per_rank]
     mine: list[JobResult] = [rank[1] for rank in per_rank]
     report.fixed_ms, report.clean_ms = step_ms(mine), step_ms(clean)

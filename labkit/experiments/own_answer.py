@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Reference", "refusing"]
+__all__ = ["Reference", "names_used", "refusing"]
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,18 @@ def _code(fn: Any) -> types.CodeType | None:
     return getattr(fn, "__code__", None)
 
 
-def _names(code: types.CodeType) -> set[str]:
-    """Every global and attribute name `code` uses, nested functions and comprehensions included."""
+def _code_names(code: types.CodeType) -> set[str]:
     names = set(code.co_names) | set(code.co_freevars)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _names(const)
+            names |= _code_names(const)
     return names
+
+
+def names_used(fn: Callable[..., Any]) -> set[str]:
+    """Every global, attribute and closure name `fn` uses, nested functions and comprehensions included."""
+    code = _code(fn)
+    return set() if code is None else _code_names(code)
 
 
 def _named(fn: Callable[..., Any], references: Sequence[Reference]) -> Reference | None:
@@ -62,7 +67,7 @@ def _named(fn: Callable[..., Any], references: Sequence[Reference]) -> Reference
         except ValueError:  # an empty cell
             continue
     targets = {id(getattr(r.fn, "__func__", r.fn)): r for r in references}
-    for name in _names(code):
+    for name in names_used(fn):
         value = getattr(seen.get(name), "__func__", seen.get(name))
         if id(value) in targets:
             return targets[id(value)]

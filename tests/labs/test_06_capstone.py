@@ -52,3 +52,66 @@ def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common)
 @pytest.mark.gpu
 def test_the_script_under_torchrun_on_the_gpus_there_are(gpu_torchrun, check_common):
     check_common(gpu_torchrun(LAB), LAB, torchrun=False, world_size=0)
+
+
+FIT = ("def fit_memory(job, model, memory_mib, world_size)", "check_fit_memory(fit_memory")
+FIT_MISTAKES = {
+    "no headroom": ({"if need.peak <= 0.9 * memory_mib": "if need.peak <= memory_mib"}, "with no headroom"),
+    "the smallest that fits": ({"range(share, 0, -1)": "range(1, share + 1)"}, "smallest micro-batch"),
+    "keep_grads left out": (
+        {'precision="fp32", keep_grads=m < share)\n': 'precision="fp32", keep_grads=False)\n'},
+        "leaves out keep_grads",
+    ),
+    "the notebook's world size": (
+        {"    share = job.global_batch // world_size": "    share = job.global_batch // p.world_size"},
+        "world size of its own",
+    ),
+    "bytes against MiB": ({"memory_mib * 2**20:\n": "memory_mib:\n"}, "peak is in bytes"),
+    "labkit's own answer": (
+        {
+            (
+                "    share = job",
+                'sharding next")',
+            ): "    from labkit.experiments.capstone import _fit_memory\n\n"
+            "    return _fit_memory(job, model, memory_mib, world_size)"
+        },
+        "capstone._fit_memory, labkit's own answer",
+    ),
+}
+FIX = ("def fix(job, finding)", "check_fix(fix")
+FIX_MISTAKES = {
+    "starts again from the job as handed": (
+        {"dataclasses.replace(job,": "dataclasses.replace(cap.job,"},
+        "starts again from cap.job",
+    ),
+    "the evaluation moved to the next rank": (
+        {'"straggler": {"eval_rank": None}': '"straggler": {"eval_rank": 1 - (job.eval_rank or 0)}'},
+        "one rank still evaluates all of it",
+    ),
+    "every knob at once": (
+        {"**knobs[finding.kind]": "**{k: v for d in knobs.values() for k, v in d.items()}"},
+        "one fix per finding",
+    ),
+    "the metric dropped": ({'{"accuracy": "local"}': '{"accuracy": "none"}'}, "left accuracy='none'"),
+    "labkit's own answer": (
+        {("    knobs = {", "**knobs[finding.kind])"): "    return by_diagnosis(finding.kind).fixed(job)"},
+        "MISTAKES[...].fixed, labkit's own answer",
+    ),
+}
+CASES = [(FIT, FIT_MISTAKES, n) for n in FIT_MISTAKES] + [(FIX, FIX_MISTAKES, n) for n in FIX_MISTAKES]
+
+
+@pytest.mark.parametrize("exercise,mistakes,name", CASES, ids=[name for *_, name in CASES])
+def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, exercise, mistakes, name):
+    failed = mutations_run(LAB, *exercise, {k: edits for k, (edits, _) in mistakes.items()})
+    cell, error = failed[name]
+    assert exercise[1] in cell, f"{name}: failed before its check: {error[-800:]}"
+    assert mistakes[name][1] in error, f"{name}: the hint does not name the mistake: {error[-1500:]}"
+
+
+@pytest.mark.parametrize(
+    "exercise,mistakes", [(FIT, FIT_MISTAKES), (FIX, FIX_MISTAKES)], ids=["fit_memory", "fix"]
+)
+def test_the_right_answer_passes_the_check(mutations_run, exercise, mistakes):
+    failed = mutations_run(LAB, *exercise, {k: edits for k, (edits, _) in mistakes.items()})
+    assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]
