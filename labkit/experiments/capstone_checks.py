@@ -27,6 +27,7 @@ from labkit.trace.diagnose import Diagnosis, findings
 from labkit.training.job import TrainingJob
 from labkit.training.loop import JobResult
 from labkit.training.mistakes import MISTAKES, by_diagnosis, planted_by_knobs
+from labkit.training.step_time import step_spread_ms, versus_clean
 
 __all__ = ["SLOWER_OK", "CapstoneReport", "check_capstone"]
 
@@ -47,6 +48,7 @@ class CapstoneReport:
     clean_ms: float | None = None
     fixed_peak_mib: float | None = None
     clean_peak_mib: float | None = None
+    spread_ms: float = 0.0  # how far the two jobs' timed steps spread (labkit.training.step_time)
     memory_mib: float = 0.0
     findings: list[Diagnosis] = field(default_factory=list)
 
@@ -68,6 +70,7 @@ class CapstoneReport:
                 f"{self.fixed_peak_mib:.1f} MiB, clean {self.clean_peak_mib:.1f} MiB, of "
                 f"{self.memory_mib:.1f} MiB ({self.label})"
             )
+            lines.append(versus_clean(self.fixed_ms, self.clean_ms, self.spread_ms, self.label))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -167,6 +170,7 @@ def check_capstone(
     clean: list[JobResult] = [rank[0] for rank in per_rank]
     mine: list[JobResult] = [rank[1] for rank in per_rank]
     report.fixed_ms, report.clean_ms = step_ms(mine), step_ms(clean)
+    report.spread_ms = step_spread_ms(mine, clean)
     report.fixed_peak_mib = max(r.peak_mib for r in mine)
     report.clean_peak_mib = max(r.peak_mib for r in clean)
     report.findings = findings(Path(mine[0].traces))

@@ -22,6 +22,7 @@ from labkit.trace.diagnose import diagnose
 from labkit.training.job import TrainingJob
 from labkit.training.loop import JobResult, train_jobs
 from labkit.training.mistakes import MISTAKES, by_diagnosis
+from labkit.training.step_time import step_ms, step_spread_ms, versus_clean
 
 __all__ = [
     "MYSTERY_KINDS",
@@ -122,11 +123,6 @@ def run_name(job: TrainingJob, clean: TrainingJob) -> str:
     return "_".join(f"{m}_rank{job.eval_rank}" if m == "straggler" else m for m in planted)
 
 
-def step_ms(run: list[JobResult]) -> float:
-    """The job's step: the slowest rank's median (every rank waits for it at the next all-reduce)."""
-    return max(r.step_ms for r in run)
-
-
 # ----------------------------------------------------------------- as a script (labkit.experiments.script)
 
 
@@ -169,7 +165,7 @@ def headline(w: Where, p: Params) -> LabRecords:
         Meaning(
             before="data-parallel step time with a planted mistake (slowest rank's median)",
             after="step time after the fix that the trace's diagnosis pointed to",
-            limit="the same job with nothing planted, measured in the same launch",
+            limit="the same job with nothing planted, measured in the same launch: a reference, not a bound",
         ),
         "step time of a job with a hidden mistake, before and after the fix the trace named",
         {
@@ -179,6 +175,8 @@ def headline(w: Where, p: Params) -> LabRecords:
             "fix": by_diagnosis(found.kind).fix if by_diagnosis(found.kind) else "nothing to fix",
             "fixed": MISTAKES[planted].diagnosed_as == found.kind,
             "traces": first[0].traces,
+            "clean_spread_ms": (spread := step_spread_ms(after, limit)),
+            "versus_clean": versus_clean(step_ms(after), step_ms(limit), spread, w.label),
         },
     )
 

@@ -23,7 +23,7 @@ from labkit.trace.commlog import CommLog, CommSpan
 from labkit.trace.device import read_timeline
 from labkit.trace.diagnose import Diagnosis, diagnose, findings
 from labkit.trace.phases import phase
-from labkit.trace.plots import mark_diagnosis, plot_pipeline, plot_timeline
+from labkit.trace.plots import mark_diagnosis, plot_pipeline, plot_timeline, typical_step
 from labkit.trace.temporal import TemporalBreakdown, temporal_breakdown
 from labkit.trace.timeline import Step, Trace, TraceEvent, classify, overlap, read_trace, step_lanes
 
@@ -51,4 +51,5 @@ __all__ = [
     "read_trace",
     "step_lanes",
     "temporal_breakdown",
+    "typical_step",
 ]

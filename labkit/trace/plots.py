@@ -1,6 +1,8 @@
 """Pictures of traces: one step per rank, a compute lane and a comm lane.
 
-`plot_timeline` draws what `timeline.py` reads; lab 03 shows it before and after the fix.
+`plot_timeline` draws what `timeline.py` reads; lab 03 shows it before and after the fix, drawing the
+traced step nearest the median (`typical_step`) with the recorded median marked, so that the picture and the
+record show the same run (a last step that happened to be slow is not the step the lab records).
 `mark_diagnosis` marks on such a figure what `diagnose` found (lab 05). `plot_pipeline` draws a
 pipeline step as a Gantt chart, one row per rank, each forward and backward
 of each micro-batch where it ran (lab 04, from `labkit.experiments.imbalanced_pipeline`'s spans).
@@ -14,7 +16,10 @@ from typing import Any
 
 from labkit.trace.timeline import Trace, overlap, read_trace, step_lanes
 
-__all__ = ["mark_diagnosis", "plot_pipeline", "plot_timeline"]
+__all__ = ["mark_diagnosis", "plot_pipeline", "plot_timeline", "typical_step"]
+
+# traces or their paths, in rank order or by rank
+TracesByRank = Sequence[Trace | str | Path] | Mapping[int, Trace | str | Path]
 
 
 def _axes(ax: Any, height: float) -> tuple[Any, Any]:
@@ -35,20 +40,42 @@ def _finish(fig: Any, ax: Any, title: str) -> Any:
     return fig
 
 
+def _rows(traces_by_rank: TracesByRank) -> list[tuple[int, Trace]]:
+    items = traces_by_rank.items() if isinstance(traces_by_rank, Mapping) else enumerate(traces_by_rank)
+    return [(r, t if isinstance(t, Trace) else read_trace(t)) for r, t in items]
+
+
+def typical_step(traces_by_rank: TracesByRank) -> int:
+    """The number of the traced step whose time on its slowest rank is the median over the steps every rank
+    traced (the lower median for an even count): the step to draw next to a recorded median."""
+    rows = _rows(traces_by_rank)
+    if not rows:
+        raise ValueError("typical_step got no traces; pass [read_trace(p) for p in paths].")
+    common = set.intersection(*({s.number for s in tr.steps} for _, tr in rows))
+    if not common:
+        raise ValueError(
+            "the traces share no step number: "
+            + "; ".join(f"rank {r}: {[s.number for s in tr.steps]}" for r, tr in rows)
+        )
+    slowest = sorted((max(overlap(tr, n)["step_ms"] for _, tr in rows), n) for n in common)
+    return slowest[(len(slowest) - 1) // 2][1]
+
+
 def plot_timeline(
-    traces_by_rank: Sequence[Trace | str | Path] | Mapping[int, Trace | str | Path],
+    traces_by_rank: TracesByRank,
     ax: Any = None,
     title: str = "One training step: compute vs communication",
     step: int | None = None,
+    recorded_ms: float | None = None,
 ) -> Any:
     """Draw one step (default: the last) per rank: a compute lane and a comm lane (and a memory lane, the
-    GPU's copies and memsets, where a trace has any), ms on x.
+    GPU's copies and memsets, where a trace has any), ms on x. `recorded_ms` (the step time a lab records,
+    a median over its timed steps) is marked as a dashed line, so that one step drawn is seen against it.
 
     Accepts traces or trace paths, as a list in rank order or a {rank: trace} mapping.
     Returns the matplotlib Figure.
     """
-    items = traces_by_rank.items() if isinstance(traces_by_rank, Mapping) else enumerate(traces_by_rank)
-    rows = [(r, t if isinstance(t, Trace) else read_trace(t)) for r, t in items]
+    rows = _rows(traces_by_rank)
     if not rows:
         raise ValueError("plot_timeline got no traces; pass [read_trace(p) for p in paths].")
     fig, ax = _axes(ax, 0.9 + 0.8 * len(rows))
@@ -74,6 +101,10 @@ def plot_timeline(
             va="center",
             fontsize=8,
         )
+    if recorded_ms is not None:
+        label = f"recorded {recorded_ms:.1f} ms"
+        ax.axvline(recorded_ms, color="black", linestyle="--", linewidth=1, label=label)
+        x_max = max(x_max, recorded_ms)
     ax.set_yticks(yticks, ylabels)
     ax.set_xlim(0, x_max * 1.15 if x_max > 0 else 1)
     return _finish(fig, ax, title)

@@ -19,6 +19,10 @@ def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_s
     if rec["emulated"]:  # the trace names the planted mistake, and its fix reaches the clean job
         assert rec["diagnosed"] == MISTAKES[rec["planted"]].diagnosed_as
         assert rec["after"] < rec["before"] and rec["limit"] <= rec["after"] * 1.25  # identical jobs: +-13 %
+    # the clean job is a reference: when after comes out under it, the records say so, against the steps' spread
+    under = rec["after"] < rec["limit"]
+    assert ("under the clean job" in rec["versus_clean"]) == under and rec["clean_spread_ms"] >= 0
+    assert not under or "a reference measured beside it, not a bound" in rec["versus_clean"]
     if "gallery" in rec:  # the notebook: every mistake that shows here, diagnosed from its own traces
         assert {r["planted"]: r["diagnosed"] for r in rec["gallery"]} == {
             k: MISTAKES[k].diagnosed_as

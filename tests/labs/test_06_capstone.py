@@ -16,6 +16,10 @@ def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_s
     check_common(rec, LAB, torchrun=torchrun, world_size=world_size)
     assert rec["unit"] == "ms" and rec["seed"] == 0 and rec["oom_at_start"] and "oom_batch" in rec["found"]
     assert rec["peak_mib"]["fixed"] <= rec["peak_mib"]["memory"]
+    # the rounds name the mistakes as `found` does, and after against the clean job (a reference) is said
+    assert {r["round"].removesuffix(" fixed") for r in rec["rounds"][1:]} <= set(rec["found"])
+    under = rec["after"] < rec["limit"]
+    assert ("under the clean job" in rec["versus_clean"]) == under and rec["clean_spread_ms"] >= 0
     if rec["emulated"]:
         assert rec["found"] == ["data_loading", "oom_batch", "per_tensor_allreduce"]
         assert rec["after"] < rec["before"] and rec["after"] <= 1.2 * rec["limit"]

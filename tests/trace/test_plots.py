@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from labkit.trace import Diagnosis, mark_diagnosis, plot_pipeline, plot_timeline, read_trace
+from labkit.trace import Diagnosis, mark_diagnosis, plot_pipeline, plot_timeline, read_trace, typical_step
 
 
 def _x(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1) -> dict:
@@ -69,3 +69,28 @@ def test_plot_pipeline_draws_every_rank():
     assert len(fig.axes[0].get_yticks()) == 2
     with pytest.raises(ValueError, match="no ranks"):
         plot_pipeline([])
+
+
+def _three_steps(tmp_path: Path, name: str, ms: list[float]) -> Path:
+    """Steps 1, 2, 3 of the given lengths (ms), back to back, each one matmul long."""
+    events, t = [], 0.0
+    for n, d in enumerate(ms, 1):
+        events += [_x(f"ProfilerStep#{n}", t, d * 1000, "user_annotation"), _x("aten::mm", t, d * 1000)]
+        t += d * 1000
+    path = tmp_path / name
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_the_typical_step_is_the_median_on_the_slowest_rank_and_the_record_is_marked(tmp_path):
+    # rank 0's steps 10, 30, 20 ms; rank 1's 25, 5, 5: slowest per step 25, 30, 20 -> median 25, step 1
+    ranks = [_three_steps(tmp_path, "r0.json", [10, 30, 20]), _three_steps(tmp_path, "r1.json", [25, 5, 5])]
+    assert typical_step(ranks) == 1
+    assert typical_step(ranks[:1]) == 3  # 10, 30, 20 alone: the median is 20 ms, step 3
+    fig = plot_timeline(ranks, step=1, recorded_ms=24.0)
+    ax = fig.axes[0]
+    assert any(line.get_label() == "recorded 24.0 ms" for line in ax.get_lines())
+    assert ax.get_xlim()[1] >= 25.0
+    plt.close(fig)
+    with pytest.raises(ValueError, match="got no traces"):
+        typical_step([])
