@@ -44,6 +44,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,8 +86,29 @@ def _mp_context() -> mp.context.BaseContext:
     if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
+        _start_fork_server_deaf_to_ctrl_c()
         return ctx
     return mp.get_context("spawn")
+
+
+def _start_fork_server_deaf_to_ctrl_c() -> None:
+    """Start the fork server (once per process) ignoring SIGINT, and so the ranks it forks.
+
+    A notebook's kernel and everything it starts share one process group, to which Jupyter sends SIGINT for
+    the Stop button and before every shutdown (jupyter_client's `_async_shutdown_kernel`). A fork server
+    still importing torch printed a KeyboardInterrupt traceback into the run's output. The ranks need no
+    SIGINT: the launching process gets it and stops every rank itself (`_stop`). A disposition of SIG_IGN is
+    inherited through fork and exec, and Python installs its own SIGINT handler only where SIGINT was not
+    ignored at start-up (Python's signal module docs)."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread: the server starts as before
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:

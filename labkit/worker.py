@@ -86,8 +86,13 @@ def _finish_record(status: str) -> None:
 
 
 def _redirect_output(run_dir: Path, rank: int) -> None:
-    """One log per rank at the file-descriptor level, so C++ warnings are captured too."""
-    log_fd = os.open(run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """One log per rank at the file-descriptor level, so C++ warnings are captured too. A rank whose launch's
+    folder is already gone was abandoned while it started (Ctrl-C: the launcher stopped the ranks and removed
+    the folder before the fork server got to this one): it leaves quietly instead of a traceback."""
+    try:
+        log_fd = os.open(run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except FileNotFoundError:
+        os._exit(1)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)

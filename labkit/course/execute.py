@@ -5,11 +5,19 @@ need.
 (ipykernel's own spec: this interpreter), each cell limited to `cell_timeout` seconds, and returns an
 `Execution`: whether it ran to the end, and where and how it failed (the cell's index among the notebook's own
 cells, its error). `allow_errors=True` runs every cell whatever fails (grading reads each check cell after).
-The kernel's start-up warning that its localhost transport is unencrypted is silenced (harmless here, it
-buried the progress lines); errors still show."""
+Ctrl-C raises `Interrupted`, which names the cell that was running and the partly executed copy, so that a
+command can say in one line where it stopped and what it kept (papermill's, nbclient's and asyncio's own
+tracebacks are not shown).
+
+The kernel logs only its critical errors: a cell's error is in the executed notebook and in `Execution`, never
+in the kernel's log, whose ERROR lines were noise in passing runs: jupyter_client interrupts the kernel before
+every shutdown (`KernelManager._async_shutdown_kernel`), and an idle ipykernel logs "KeyboardInterrupt caught
+in kernel" when that SIGINT lands while it handles a message; after Ctrl-C it logged the closed sockets'
+ZMQError tracebacks."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +27,7 @@ from typing import Any
 import nbformat
 import papermill
 
-__all__ = ["Execution", "execute"]
+__all__ = ["Execution", "Interrupted", "execute"]
 
 
 @dataclass
@@ -39,6 +47,16 @@ class Execution:
     def ran(self) -> bool:
         """Did the kernel write an executed copy at all?"""
         return self.notebook.exists()
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while a notebook ran: the partly executed copy (`notebook`, written up to the cell that was
+    running where the kernel had started) and that cell's index among the notebook's own cells (None when no
+    cell had started), of its `cells` cells (as `Execution.error` counts them: markdown too)."""
+
+    def __init__(self, notebook: Path, cell: int | str | None, cells: int) -> None:
+        super().__init__(f"interrupted at cell {cell} of {cells}")
+        self.notebook, self.cell, self.cells = notebook, cell, cells
 
 
 def execute(
@@ -67,8 +85,12 @@ def execute(
             progress_bar=progress,
             log_output=False,
             allow_errors=allow_errors,
-            extra_arguments=["--IPKernelApp.log_level=ERROR"],
+            extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
         )
+    except KeyboardInterrupt:
+        # the event loop's tasks that Ctrl-C cut short are collected later and would each log a traceback
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        raise Interrupted(out, _running_cell(Path(path), out), _cells(Path(path))) from None
     except papermill.PapermillExecutionError as exc:
         index = _own_index(Path(path), exc.source)
         return Execution(
@@ -87,6 +109,23 @@ def execute(
             out, False, time.perf_counter() - t0, f"{type(exc).__name__}: {first}", type(exc).__name__, first
         )
     return Execution(out, True, time.perf_counter() - t0)
+
+
+def _running_cell(path: Path, out: Path) -> int | str | None:
+    """The own index of the cell Ctrl-C stopped: the first code cell of the executed copy `out` that papermill
+    did not see end (its cleanup marks every cell "completed", so the end time tells); None if none."""
+    try:
+        cells = nbformat.read(out, as_version=4).cells
+    except (OSError, ValueError):
+        return None
+    for cell in cells:
+        if cell.cell_type == "code" and not cell.get("metadata", {}).get("papermill", {}).get("end_time"):
+            return _own_index(path, cell.source)
+    return None
+
+
+def _cells(path: Path) -> int:
+    return len(nbformat.read(path, as_version=4).cells)
 
 
 def _own_index(path: Path, source: str) -> int | str:

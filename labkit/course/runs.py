@@ -1,8 +1,10 @@
 """Each `labkit run` in a folder of its own, and the facts a report needs to be read later.
 
-`new_run_dir(base)` makes `base/<YYYYmmdd-HHMMSS>/` (never reusing one), `point_latest`
-makes `base/latest` a link to it, so a run never mixes its notebooks, figures and HTML with
-an earlier run's, and `runs/latest/report.md` is always the newest. `run_context` says where
+`new_run_dir(base)` makes `base/<YYYYmmdd-HHMMSS>/` (never reusing one), so a run never mixes its
+notebooks, figures and HTML with an earlier run's. `point_latest` makes `base/latest` a link to a run, and
+`labkit run` moves it only for a `complete` run (every lab, each passed): a failed, interrupted or one-lab
+run keeps its own folder and says where `latest` points, so `runs/latest/report.md` is the last good full
+report instead of whatever ran last. `run_context` says where
 and with what the run was made: the machine, the cluster (real or emulated, its links and
 their calibration), torch and labkit versions, the git commit and the date; the report
 (`report.py`) prints it as its header.
@@ -17,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["new_run_dir", "point_latest", "run_context"]
+__all__ = ["complete", "new_run_dir", "point_latest", "run_context"]
 
 
 def new_run_dir(base: str | Path) -> Path:
@@ -33,6 +35,11 @@ def new_run_dir(base: str | Path) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"could not make a new run folder in {base}")
+
+
+def complete(results: list[dict[str, Any]], every_lab: bool) -> bool:
+    """Is a run worth `latest`: it ran `every_lab` of the course and each one passed?"""
+    return every_lab and bool(results) and all(r.get("status") == "passed" for r in results)
 
 
 def point_latest(base: str | Path, run_dir: Path) -> Path:
