@@ -1,0 +1,39 @@
+"""labkit.course.execute: a run's output holds the notebook's story, not the kernel's own log."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+_DRIVER = """
+import sys
+from labkit.course.execute import execute
+for i in range(2):
+    done = execute(sys.argv[1], sys.argv[2] + f"/out{i}.ipynb")
+    assert done.ok, done.error
+print("ran")
+"""
+
+
+def test_a_passing_run_that_launches_ranks_prints_nothing_from_the_kernel(tmp_path: Path, labkit_env):
+    """Two runs of a notebook that starts two ranks: jupyter_client interrupts every kernel before it shuts
+    it down, which made ipykernel log "KeyboardInterrupt caught in kernel" in passing runs (issue 28, point 7)
+    and a fork server still importing torch print a traceback."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import labkit\n\ndef f():\n    return 1\n"),
+        nbformat.v4.new_code_cell("assert labkit.launch(f, world_size=2, cluster='cpu') == [1, 1]"),
+    ]
+    nbformat.write(nb, tmp_path / "two_ranks.ipynb")
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, str(tmp_path / "two_ranks.ipynb"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=labkit_env,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr
