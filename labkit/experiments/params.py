@@ -203,7 +203,7 @@ class LabParams:
             raise ParamError(
                 unknown[0],
                 values[unknown[0]],
-                f"a parameter of lab {cls.LAB}; its parameters: {known}",
+                f"a parameter of lab {cls.LAB}{cls._ranks_hint(unknown[0], form)}; its parameters: {known}",
                 None,
                 form=form,
             )
@@ -238,6 +238,20 @@ class LabParams:
             raise err.in_form("cell") from None
 
     # ---------------------------------------------------------------- ranks
+
+    # what people call the number of ranks, whatever the lab's field for them is named
+    _RANK_WORDS = frozenset({"world_size", "stages", "ranks", "nproc", "nproc_per_node", "gpus", "num_gpus"})
+
+    @classmethod
+    def _ranks_hint(cls, name: str, form: str) -> str:
+        """For a name meaning the ranks that is not this lab's: which field and option set them here."""
+        if name not in cls._RANK_WORDS or name == cls.RANKS:
+            return ""
+        if not cls.RANKS:
+            return " (it picks its own ranks)"
+        if form == "set":
+            return f" (its ranks are {cls.RANKS}: --world-size N sets it, or torchrun's --nproc-per-node)"
+        return f" (its ranks are {cls.RANKS})"
 
     @property
     def ranks(self) -> int | None:

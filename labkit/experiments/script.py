@@ -10,11 +10,12 @@ the lab's measurement in a few launches, returning the `LabRecords` its notebook
 unit, meaning, metric and the extras that say why), and ends with `main(__spec__.name)`, which runs `run_lab`.
 
 Every rank runs the script; every `labkit.launch` inside gathers the ranks' results onto every rank
-(`labkit.torchrun`), so every rank computes the same records from them and rank 0 alone prints them
-(`labkit-record` lines, as `labkit.record` does outside a notebook) and writes them to `--out`. `--set key
-value` overrides a parameter (JSON values; an unknown key is refused with the list; `--help` lists the
-parameters with their docs); a parameter the lab cannot run with ends the script with exit status 2 and the
-message (its value, the constraint and the fix) on every rank.
+(`labkit.torchrun`), so every rank computes the same records from them, and rank 0 alone prints their
+headline (`summary`: the metric, then before, after and limit to 4 significant digits) and writes them all
+to `--out`; `--print-records` also prints each as a `labkit-record` line, as `labkit.record` does outside a
+notebook. `--set key value` overrides a parameter (JSON values; an unknown key is refused with the list;
+`--help` lists the parameters with their docs); a parameter the lab cannot run with ends the script with
+exit status 2 and the message (its value, the constraint and the fix) on every rank.
 
 What the numbers are depends on where they ran, and the records say so (`where`): the emulated cluster when
 `labkit.launch` starts the ranks on a machine without GPUs (virtual clock, modelled links, memory budget);
@@ -43,7 +44,16 @@ from labkit.errors import RankError
 from labkit.experiments.params import LabParams, ParamError
 from labkit.records import record
 
-__all__ = ["LabRecords", "Meaning", "Where", "emulated_cluster", "main", "run_lab", "where"]
+__all__ = [
+    "LabRecords",
+    "Meaning",
+    "Where",
+    "emulated_cluster",
+    "main",
+    "run_lab",
+    "summary",
+    "where",
+]
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,12 @@ def _parser(module: str, params: type[LabParams]) -> argparse.ArgumentParser:
         default=[],
         help="change a parameter (listed below)",
     )
+    p.add_argument(
+        "--print-records",
+        action="store_true",
+        help="also print each record as a `labkit-record {json}` line, for tools that read standard output "
+        "(the --out file holds them all)",
+    )
     return p
 
 
@@ -242,14 +258,31 @@ def run_lab(module: str, argv: list[str] | None = None) -> int:
         "params": params.as_dict(),
     }
     if w.rank() == 0:
+        _write(records, Path(args.out), args.print_records)
+        print(summary(result, w.label, name), flush=True)
+        print(f"  {time.perf_counter() - t0:.1f} s; records in {args.out}", flush=True)
+    return 0
+
+
+def _write(records: dict[str, Any], out: Path, print_records: bool) -> None:
+    """The records into `out` (JSON), and as `labkit-record` lines on standard output if asked."""
+    if print_records:
         for key, value in records.items():
             record(key, value)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(records, indent=1) + "\n")
-        print(
-            f"lab {name}: before {records['before']}, after {records['after']}, limit {records['limit']} "
-            f"{records['unit']} ({w.label}); {time.perf_counter() - t0:.1f} s; records in {out}",
-            flush=True,
-        )
-    return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+
+
+def _number(value: float | None) -> str:
+    """A headline number as people read it: 4 significant digits ("186.3", "0.02907"); "-" for none."""
+    return "-" if value is None else f"{value:.4g}"
+
+
+def summary(result: LabRecords, label: str, lab: str) -> str:
+    """The records' headline in a few lines: the metric, then before, after and limit with their unit and
+    meaning, numbers rounded to 4 significant digits (the --out file keeps them whole)."""
+    lines = [f"lab {lab} ({label}): {result.metric}"]
+    for key in ("before", "after", "limit"):
+        value = _number(getattr(result, key))
+        lines.append(f"  {key:<6} {value:>9} {result.unit}  {getattr(result.meaning, key)}")
+    return "\n".join(lines)

@@ -26,8 +26,31 @@ def test_without_torchrun_a_lab_script_runs_on_the_emulated_cluster(tmp_path, ca
     assert rec["emulated"] is True and rec["where"] == "emulated" and rec["limit"] > 0
     assert rec["params"]["sizes_kib"] == [4, 64] and rec["params"]["iters"] == 3
     printed = capsys.readouterr().out
-    assert 'labkit-record {"key": "before"' in printed  # read_records reads these lines from a notebook cell
-    assert printed.count("lab 00_cluster_tour: before") == 1
+    assert "labkit-record" not in printed  # the records are in the file; people read the summary
+    before = f"{rec['before']:.4g}"
+    assert printed.count(f"  before {before:>9} GB/s (bus bandwidth)  all_reduce bus bandwidth") == 1
+    assert f"records in {out}" in printed
+
+
+def test_print_records_prints_each_record_as_a_line_read_records_reads(tmp_path, capsys):
+    out = tmp_path / "00.json"
+    argv = ["--cluster", "cpu", "--out", str(out), "--print-records", *SMOKE_00]
+    assert script.run_lab("labkit.experiments.cluster_tour", argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("labkit-record ")]
+    assert {json.loads(line.split(" ", 1)[1])["key"] for line in lines} == set(json.loads(out.read_text()))
+
+
+def test_the_summary_rounds_to_four_significant_digits():
+    result = script.LabRecords(
+        186.30027599999988, 0.02907, None, "ms", script.Meaning("b", "a", "l"), "step time"
+    )
+    text = script.summary(result, "emulated", "03_x")
+    assert text.splitlines() == [
+        "lab 03_x (emulated): step time",
+        "  before     186.3 ms  b",
+        "  after    0.02907 ms  a",
+        "  limit          - ms  l",
+    ]
 
 
 def test_help_lists_every_parameter_with_its_doc(capsys):
@@ -51,6 +74,11 @@ def test_help_lists_every_parameter_with_its_doc(capsys):
         ),
         (["--set", "memory_mib", '"lots"'], "memory_mib='lots' must be a number"),
         (["--set", "global_batch", "65"], "global_batch=65 must be a multiple of 2"),
+        (
+            ["--set", "stages", "4"],
+            "stages=4 must be a parameter of lab 02_oom_batch (its ranks are world_size: --world-size N sets "
+            "it, or torchrun's --nproc-per-node)",
+        ),
     ],
 )
 def test_a_parameter_the_lab_cannot_take_ends_with_status_2_and_the_fix(argv, message, capsys):
