@@ -6,6 +6,7 @@ resolves its rank-dependent defaults on 2, 4 and 8 ranks, and refuses 1 where it
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -193,3 +194,51 @@ def test_on_a_machine_with_one_gpu_lab_02_takes_one_rank_on_it_and_the_others_ke
     assert Lab02(world_size=3).for_machine(1).world_size == 3
     assert Lab02(cluster="cpu").for_machine(1).world_size == 2  # the emulated cluster asked for
     assert Lab03().for_machine(1).world_size == 2  # it needs two ranks
+
+
+def _wrong_type(kind) -> object:
+    """A value no field of type `kind` takes: a number for a list or a string, a word for a number, a
+    number for True/False."""
+    text = str(kind)
+    if "list" in text or kind is str:
+        return 64
+    if kind is bool:
+        return 3
+    return "lots"
+
+
+_FIX_SAYS = {"set": "set it with --set {name} ", "p": "set it with -p {name} ", "cell": "write {name} = "}
+
+
+@pytest.mark.parametrize("form", ["set", "p", "cell"])
+@pytest.mark.parametrize("lab", list(registry.LABS))
+def test_every_parameter_of_every_lab_refuses_a_wrong_type_naming_it_and_the_fix_as_typed(lab, form):
+    """issue 28, point 2: `-p sizes_kib 64`, `-p memory_mib '"lots"'`, `--set steps 0`: the parameter as the
+    user typed it, what it must be, and a value that works in the form they used (the notebook's cell checks
+    what papermill injected with `from_cell`, which writes its fix for the cell)."""
+    params = registry.params_of(lab)
+    hints = typing.get_type_hints(params)
+    for f in dataclasses.fields(params):
+        value = _wrong_type(hints[f.name])
+        with pytest.raises(ParamError) as info:
+            if form == "cell":
+                params.from_cell({f.name: value})
+            else:
+                params.make({f.name: value}, form)
+        message = str(info.value)
+        assert message.startswith(f"{f.name}={value!r} must be "), message
+        assert _FIX_SAYS[form].format(name=f.name) in message, message
+
+
+def test_papermill_with_a_wrong_type_fails_in_the_cell_that_checks_it_with_the_fix_for_the_cell(
+    tmp_path, repo, kernel_finds_labkit
+):
+    from labkit.course.execute import execute
+
+    done = execute(repo / "solutions" / "04_imbalanced_pipeline.ipynb", tmp_path / "04.ipynb",
+                   parameters={"stages": "four"}, cwd=tmp_path)
+    assert not done.ok and done.ename == "ParamError", done.error
+    assert done.evalue == (
+        "stages='four' must be a whole number; write stages = 4 in the parameters cell (or -p stages 4 with "
+        "labkit run / papermill)"
+    )
