@@ -13,9 +13,13 @@ formula and the activations in flight); `pipeline_explorer()` puts sliders in fr
 
 from __future__ import annotations
 
+import html
+import math
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # torch is imported on first use, so `labkit quiz` starts fast
     from labkit.memory import MemoryBreakdown
@@ -24,7 +28,9 @@ if TYPE_CHECKING:  # torch is imported on first use, so `labkit quiz` starts fas
 __all__ = [
     "CARDS",
     "TEXT_ONLY_ENV",
+    "AtPeak",
     "MemoryCalculator",
+    "at_peak",
     "displayed",
     "memory_calculator",
     "memory_figure",
@@ -77,6 +83,8 @@ _PARTS = (
     ("activations", "activations", "tab:red"),
     ("other", "temporaries", "tab:gray"),
 )
+# At the peak of backward with activation checkpointing: parts of several categories (see `at_peak`).
+_RECOMPUTED = ("backward", "backward with recomputation", "silver")
 _GIB = 2**30
 
 
@@ -112,65 +120,244 @@ def breakdown(
     )
 
 
-def memory_figure(config: GPTConfig, card_gib: float, *, title: str = "", **options):
-    """One GPU's estimated memory as a stacked bar, its peak and the card's capacity; returns the Figure."""
-    import matplotlib.pyplot as plt
+class AtPeak(NamedTuple):
+    """What an estimate holds at its peak: `alive`, (part, bytes) pairs that sum to the peak (a part of
+    `_PARTS`, or "backward" for backward's mix with checkpointing); `when` that is; `note`, one sentence that
+    compares the parts' sum with the peak and says why they differ."""
 
+    alive: tuple[tuple[str, int], ...]
+    when: str
+    note: str
+
+
+def at_peak(b: MemoryBreakdown, *, grads_kept: bool = False, checkpointing: bool | str = False) -> AtPeak:
+    """What `b` (an `estimate`) holds at its peak, by estimate's own model: weights and optimizer states live
+    through the step, and so do the gradients when they are kept (`grads_kept`: several micro-batches add
+    into them). The rest is largest at one of three moments, and the largest of those is the peak: the start
+    of backward (every activation and the loss temporaries; the gradients appear as the activations are
+    freed), the optimizer step (every gradient; the activations are freed) and, with `checkpointing`, backward
+    itself (the kept block inputs, one block recomputed with its temporaries, the gradients made so far). So
+    the bar of all parts (`b.total`) stands above the peak by what never coexists."""
+    steady = {"params": b.params, "optimizer": b.optimizer} | ({"grads": b.grads} if grads_kept else {})
+    rest = int(b.peak) - sum(steady.values())  # type: ignore[arg-type]
+    if checkpointing in (False, "none", "selective") and rest == b.activations + b.other:
+        alive = {**steady, "activations": b.activations, "other": b.other}
+        when = "at the start of backward"
+        what = "every activation and the loss temporaries" + (
+            ", with the gradients that earlier micro-batches accumulated"
+            if grads_kept
+            else "; the gradients appear as activations are freed"
+        )
+    elif not grads_kept and rest == b.grads:
+        alive, when = {**steady, "grads": b.grads}, "at the optimizer step"
+        what = "every gradient; the activations are freed by then"
+    else:
+        alive, when = {**steady, "backward": rest}, "in backward, with recomputation"
+        if grads_kept:
+            what = (
+                "the kept block inputs with the loss temporaries or one recomputed block, and the gradients"
+            )
+        elif rest > b.activations + b.other:  # more than every activation: gradients are part of it
+            what = (
+                "the kept block inputs, one block recomputed with its temporaries, the gradients made so far"
+            )
+        else:
+            what = (
+                "the kept block inputs with the loss temporaries or one recomputed block, any gradients made"
+            )
+    order = [key for key, _, _ in _PARTS] + [_RECOMPUTED[0]]
+    alive_parts = tuple((key, alive[key]) for key in order if alive.get(key, 0) > 0)
+    total, peak = b.total / _GIB, int(b.peak) / _GIB  # type: ignore[arg-type]
+    if b.peak < b.total:
+        note = (
+            f"The parts sum to {total:.1f} GiB, but not all are alive at once: the peak is {peak:.1f} GiB, "
+            f"{when} ({what})."
+        )
+    elif b.peak == b.total:
+        note = f"All parts are alive at once: the peak is their sum, {peak:.1f} GiB, {when} ({what})."
+    else:
+        note = (
+            f"The peak, {peak:.1f} GiB, is above the parts' sum ({total:.1f} GiB): {when} ({what}), "
+            "backward's temporaries belong to no part."
+        )
+    return AtPeak(alive_parts, when, note)
+
+
+def _grads_kept(options: dict[str, Any]) -> bool:
+    """Whether `breakdown(config, **options)` keeps the gradients through the step (as it decides)."""
+    return options.get("micro_batches", 1) > 1
+
+
+def memory_figure(config: GPTConfig, card_gib: float, *, title: str = "", **options):
+    """One GPU's estimated memory: a stacked bar of what is alive at the estimate's peak, one of every part
+    at its largest (their sum, when that differs from the peak), the card's capacity and a note on why the
+    two bars differ (`at_peak`); returns the Figure."""
     b = breakdown(config, **options)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    bottom = 0.0
-    for key, name, color in _PARTS:
-        value = getattr(b, key) / _GIB
-        if value > 0:
-            ax.bar(["this GPU"], [value], bottom=bottom, color=color, label=f"{name} {value:.1f} GiB")
-            bottom += value
-    peak = b.peak / _GIB
-    ax.axhline(peak, color="black", lw=1.2, label=f"peak (not all at once) {peak:.1f} GiB")
-    ax.axhline(card_gib, color="firebrick", ls="--", lw=1.5, label=f"card {card_gib:g} GiB")
-    ax.axhline(0.9 * card_gib, color="firebrick", ls=":", lw=1, label="90 % of the card")
-    fits = peak <= 0.9 * card_gib
+    return _figure(
+        b,
+        at_peak(b, grads_kept=_grads_kept(options), checkpointing=options.get("checkpointing", False)),
+        card_gib,
+        title,
+    )
+
+
+def _figure(b: MemoryBreakdown, peak_parts: AtPeak, card_gib: float, title: str = ""):
+    """`memory_figure` of the estimate `b` (patches named by `gid`: "at peak: <part>", "parts: <part>"; the
+    note's text is "peak note")."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    style = {key: (name, color) for key, name, color in (*_PARTS, _RECOMPUTED)}
+    fig, ax = plt.subplots(figsize=(7.4, 4.7))
+    peak, total = int(b.peak) / _GIB, b.total / _GIB  # type: ignore[arg-type]
+    bars = [(f"alive at the peak ({peak_parts.when})", peak_parts.alive, 1.0, "at peak")]
+    if b.peak != b.total:
+        parts = tuple((key, getattr(b, key)) for key, _, _ in _PARTS if getattr(b, key) > 0)
+        label = f"every part at its largest (sum {total:.1f} GiB, not all at once)"
+        bars.append((label, parts, 0.45, "parts"))
+    for x, (_, segments, alpha, gid) in enumerate(bars):
+        bottom = 0.0
+        for key, value in segments:
+            color = style[key][1]
+            ax.bar(
+                x,
+                value / _GIB,
+                bottom=bottom,
+                width=0.6,
+                color=color,
+                alpha=alpha,
+                gid=f"{gid}: {key}",
+                hatch="//" if key == _RECOMPUTED[0] else None,
+                edgecolor="white",
+            )
+            bottom += value / _GIB
+    ax.set_xticks(range(len(bars)), [textwrap.fill(label, 26) for label, *_ in bars], fontsize=8)
+    ax.set_xlim(*((-0.6, 1.6) if len(bars) > 1 else (-1.0, 1.0)))
+    alive = dict(peak_parts.alive)
+    shown = {key: getattr(b, key) for key, _, _ in _PARTS} | {_RECOMPUTED[0]: alive.get(_RECOMPUTED[0], 0)}
+    absent = "" if _RECOMPUTED[0] in alive else " (not at the peak)"  # a mix holds some of every part
+    handles = [
+        Patch(
+            color=style[key][1],
+            hatch="//" if key == _RECOMPUTED[0] else None,
+            label=f"{style[key][0]} {value / _GIB:.1f} GiB{'' if key in alive else absent}",
+        )
+        for key, value in shown.items()
+        if value > 0
+    ]
+    handles.append(ax.axhline(peak, color="black", lw=1.2, label=f"peak {peak:.1f} GiB"))
+    handles.append(ax.axhline(card_gib, color="firebrick", ls="--", lw=1.5, label=f"card {card_gib:g} GiB"))
+    handles.append(ax.axhline(0.9 * card_gib, color="firebrick", ls=":", lw=1, label="90 % of the card"))
+    fits = b.peak <= 0.9 * card_gib * _GIB
     ax.set(
         ylabel="GiB",
-        ylim=(0, max(bottom, card_gib) * 1.15),
+        ylim=(0, max(total, peak, card_gib) * 1.15),
         title=title or f"{'fits' if fits else 'does not fit'}: peak {peak:.1f} of {card_gib:g} GiB",
     )
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
-    fig.tight_layout()
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    fig.text(0.01, 0.01, textwrap.fill(peak_parts.note, 120), fontsize=8, va="bottom", gid="peak note")
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
+
+
+# Controls that give the model its shape: a preset sets them, and moving one makes a custom model from it.
+_SHAPE = ("n_layers", "d_model")
+# Wide enough for every description ("sequence length", "micro-batches") in JupyterLab's font; the browser
+# test checks that none is cut off.
+_DESCRIPTION = {"description_width": "8.5em"}
+
+
+def _model_config(base: GPTConfig, n_layers: int, d_model: int, seq_len: int) -> GPTConfig:
+    """`base` with `n_layers` blocks and width `d_model`, its position table long enough for `seq_len`: a new
+    width keeps the head size where it divides the width (else their common divisor), the MLP's ratio to the
+    width and the k/v heads where they still divide the heads."""
+    if d_model != base.d_model:
+        heads = d_model // math.gcd(d_model, base.head_dim)
+        kv_heads = base.n_kv_heads if base.n_kv_heads and heads % base.n_kv_heads == 0 else None
+        ffn = base.ffn_hidden and 64 * max(1, round(base.ffn_hidden * d_model / base.d_model / 64))
+        base = replace(base, d_model=d_model, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden=ffn)
+    return replace(base, n_layers=n_layers, seq_len=max(base.seq_len, seq_len))
+
+
+def _start(model: str) -> GPTConfig:
+    """The model a calculator shows for `model`: the preset, or for "custom" a 24-layer model of width 2048
+    (16 heads of 128) for sequences of 2048."""
+    from labkit.models import PRESETS, GPTConfig
+
+    if model == "custom":
+        return GPTConfig(n_layers=24, d_model=2048, n_heads=16, vocab_size=32000, seq_len=2048)
+    if model not in PRESETS:
+        raise ValueError(f"model={model!r}: use one of {', '.join(sorted(PRESETS))} or 'custom'")
+    return PRESETS[model]
 
 
 class MemoryCalculator:
     """Sliders and presets over `memory_figure`; `controls` by name, `breakdown` the last estimate, `error`
-    the last refusal (a tp that does not divide the heads, ...), `widget` to display."""
+    the last refusal (a tp that does not divide the heads, ...), `widget` to display.
+
+    Choosing a preset sets the shape sliders (layers, hidden) and the sequence length to its values, then
+    redraws once; moving a shape slider while a preset is chosen makes the model "custom": the preset with
+    that slider's value (`config`). The sequence length is the run's, so moving it keeps the model."""
 
     def __init__(self, model: str = "llama2-7b", card: str = "H100 80GB", **options: Any) -> None:
         import ipywidgets as w
 
         from labkit.models import PRESETS
 
+        self._base = _start(model)  # what a custom model starts from: the last preset shown
+        self._from = "" if model == "custom" else model
+        self._held = False
         self.output = w.Output()
-        self.message = w.HTML()
+        self.message = w.HTML(layout=w.Layout(max_width="46em"))
         sizes = [1, 2, 4, 8, 16, 32, 64]
+        widths = sorted({512, 1024, 2048, 4096, 8192, 12288} | {c.d_model for c in PRESETS.values()})
+        labelled = {"style": _DESCRIPTION, "layout": w.Layout(width="22em")}
         self.controls = {
-            "model": w.Dropdown(options=[*sorted(PRESETS), "custom"], value=model, description="model"),
-            "n_layers": w.IntSlider(value=24, min=1, max=128, description="layers"),
+            "model": w.Dropdown(
+                options=[*sorted(PRESETS), "custom"], value=model, description="model", **labelled
+            ),
+            "n_layers": w.IntSlider(
+                value=self._base.n_layers, min=1, max=128, description="layers", **labelled
+            ),
             "d_model": w.SelectionSlider(
-                options=[512, 1024, 2048, 4096, 8192, 12288], value=2048, description="hidden"
+                options=widths, value=self._base.d_model, description="hidden", **labelled
             ),
-            "card": w.Dropdown(options=list(CARDS), value=card, description="card"),
+            "card": w.Dropdown(options=list(CARDS), value=card, description="card", **labelled),
             "seq_len": w.SelectionSlider(
-                options=[512, 1024, 2048, 4096, 8192], value=2048, description="sequence"
+                options=[512, 1024, 2048, 4096, 8192],
+                value=self._base.seq_len,
+                description="sequence length",
+                **labelled,
             ),
-            "micro_batch": w.SelectionSlider(options=sizes[:6], value=1, description="micro-batch"),
-            "micro_batches": w.SelectionSlider(options=sizes, value=1, description="micro-batches"),
+            "micro_batch": w.SelectionSlider(
+                options=sizes[:6], value=1, description="micro-batch", **labelled
+            ),
+            "micro_batches": w.SelectionSlider(
+                options=sizes, value=1, description="micro-batches", **labelled
+            ),
             "precision": w.Dropdown(
-                options=["mixed", "mixed_fp32_grads", "bf16", "fp32"], value="mixed", description="precision"
+                options=["mixed", "mixed_fp32_grads", "bf16", "fp32"],
+                value="mixed",
+                description="precision",
+                **labelled,
             ),
-            "zero_stage": w.ToggleButtons(options=[0, 1, 2, 3], value=0, description="ZeRO"),
-            "dp": w.SelectionSlider(options=sizes, value=8, description="dp"),
-            "tp": w.SelectionSlider(options=sizes[:5], value=1, description="tp"),
-            "pp": w.SelectionSlider(options=sizes[:6], value=1, description="pp"),
-            "checkpointing": w.Checkbox(value=False, description="activation checkpointing"),
+            "zero_stage": w.ToggleButtons(
+                options=[0, 1, 2, 3],
+                value=0,
+                description="ZeRO",
+                style=_DESCRIPTION | {"button_width": "3em"},
+            ),
+            "dp": w.SelectionSlider(options=sizes, value=8, description="dp", **labelled),
+            "tp": w.SelectionSlider(options=sizes[:5], value=1, description="tp", **labelled),
+            "pp": w.SelectionSlider(options=sizes[:6], value=1, description="pp", **labelled),
+            "checkpointing": w.Checkbox(
+                value=False,
+                description="activation checkpointing",
+                indent=False,
+                layout=w.Layout(width="22em"),
+            ),
         }
         unknown = sorted(set(options) - set(self.controls))
         if unknown:
@@ -178,67 +365,116 @@ class MemoryCalculator:
                 f"memory_calculator(..., {unknown[0]}=...): not a control; the controls are "
                 f"{', '.join(self.controls)}"
             )
-        for name, value in options.items():  # the notebook's arguments are where the sliders start
-            self.controls[name].value = value
         self.breakdown: MemoryBreakdown | None = None
+        self.at_peak: AtPeak | None = None
         self.error = ""
         for c in self.controls.values():
-            c.observe(lambda _: self.update(), names="value")
-        self.widget = w.HBox([w.VBox(list(self.controls.values())), w.VBox([self.output, self.message])])
+            c.observe(self._changed, names="value")
+        with self._hold():  # the notebook's arguments are where the controls start
+            for name, value in options.items():
+                self.controls[name].value = value
+            if any(getattr(self._base, k) != self.controls[k].value for k in _SHAPE) and model != "custom":
+                self.controls["model"].value = "custom"
+        # The controls keep their width (squeezed, they cut labels and readouts); the figure shrinks.
+        controls = w.VBox(list(self.controls.values()), layout=w.Layout(flex="0 0 auto", width="23em"))
+        figure = w.VBox([self.output, self.message], layout=w.Layout(flex="1 1 auto", min_width="0"))
+        self.widget = w.HBox([controls, figure])
+        self.update()
+
+    @contextmanager
+    def _hold(self) -> Iterator[None]:
+        """Set controls without a redraw each (and in one message to the browser); the caller redraws once."""
+        with ExitStack() as stack:
+            for c in self.controls.values():
+                stack.enter_context(c.hold_sync())
+            held, self._held = self._held, True
+            try:
+                yield
+            finally:
+                self._held = held
+
+    def _changed(self, change: Any) -> None:
+        if self._held:
+            return
+        name = next(k for k, c in self.controls.items() if c is change.owner)
+        if name == "model" and change.new != "custom":
+            self.show_model(change.new)
+            return
+        if name in _SHAPE and self.controls["model"].value != "custom":
+            with self._hold():
+                self.controls["model"].value = "custom"  # a custom model from the preset shown
+        self.update()
+
+    def show_model(self, name: str) -> None:
+        """Show preset `name`: its values on the shape sliders and the sequence length, then one redraw."""
+        self._base, self._from = _start(name), name
+        with self._hold():
+            self.controls["model"].value = name
+            for key in (*_SHAPE, "seq_len"):
+                self.controls[key].value = getattr(self._base, key)
         self.update()
 
     def config(self) -> GPTConfig:
-        from labkit.models import PRESETS, GPTConfig
-
+        """The model estimated: the preset chosen, or the custom model (the last preset shown, or the default
+        custom model, with the shape sliders' values); its position table holds the sequence length."""
         v = {k: c.value for k, c in self.controls.items()}
+        base = self._base if v["model"] == "custom" else _start(v["model"])
         if v["model"] != "custom":
-            return replace(PRESETS[v["model"]], seq_len=max(PRESETS[v["model"]].seq_len, v["seq_len"]))
-        return GPTConfig(
-            n_layers=v["n_layers"],
-            d_model=v["d_model"],
-            n_heads=max(1, v["d_model"] // 128),
-            vocab_size=32000,
-            seq_len=v["seq_len"],
-        )
+            return replace(base, seq_len=max(base.seq_len, v["seq_len"]))
+        return _model_config(base, v["n_layers"], v["d_model"], v["seq_len"])
+
+    def _name(self, config: GPTConfig) -> str:
+        model = self.controls["model"].value
+        if model != "custom":
+            return model
+        origin = f", from {self._from}" if self._from else ""
+        return f"custom ({config.n_layers} layers, hidden {config.d_model}, {config.n_heads} heads{origin})"
 
     def update(self) -> None:
+        """Estimate what the controls say and redraw the figure and the text."""
         import matplotlib.pyplot as plt
         from IPython.display import display
 
         v = {k: c.value for k, c in self.controls.items()}
-        options = {
-            k: v[k]
-            for k in (
-                "dp",
-                "tp",
-                "pp",
-                "zero_stage",
-                "precision",
-                "micro_batch",
-                "seq_len",
-                "checkpointing",
-                "micro_batches",
-            )
-        }
-        config = self.config()
+        options = {k: v[k] for k in _ESTIMATE_OPTIONS}
         try:
+            config = self.config()
             self.breakdown = breakdown(config, **options)
             self.error = ""
         except ValueError as exc:
-            self.breakdown, self.error = None, str(exc)
+            self.breakdown, self.at_peak, self.error = None, None, str(exc)
         self.output.clear_output(wait=True)
         if self.breakdown is None:
-            self.message.value = f"<span style='color:firebrick'>{self.error}</span>"
+            self.message.value = f"<span style='color:firebrick'>{html.escape(self.error)}</span>"
             return
         b, cap = self.breakdown, CARDS[v["card"]]
-        self.message.value = (
-            f"{config.num_params() / 1e9:.2f} B parameters; per GPU: {b} ; "
-            f"{'fits' if b.peak <= 0.9 * cap * _GIB else 'does not fit'} a {v['card']}"
+        self.at_peak = at_peak(b, grads_kept=_grads_kept(options), checkpointing=options["checkpointing"])
+        sizes = ((name, getattr(b, key) / _GIB) for key, name, _ in _PARTS if getattr(b, key))
+        parts = ", ".join(f"{name} {gib:.1f}" for name, gib in sizes)
+        fits = b.peak <= 0.9 * cap * _GIB
+        self.message.value = html.escape(
+            f"{self._name(config)}: {config.num_params() / 1e9:.2f} B parameters; per GPU: {parts} GiB. "
+            f"{self.at_peak.note} It {'fits' if fits else 'does not fit'} the {v['card']}: the peak is "
+            f"{'within' if fits else 'above'} 90 % of its {cap:g} GiB."
         )
-        fig = memory_figure(config, cap, **options)
+        fig = _figure(b, self.at_peak, cap)
         with self.output:
             display(fig)
         plt.close(fig)  # displayed once, in the output widget, and not again at the cell's end
+
+
+# The controls that are `breakdown`'s options (the others choose the model and the card).
+_ESTIMATE_OPTIONS = (
+    "dp",
+    "tp",
+    "pp",
+    "zero_stage",
+    "precision",
+    "micro_batch",
+    "seq_len",
+    "checkpointing",
+    "micro_batches",
+)
 
 
 def memory_calculator(
@@ -246,12 +482,14 @@ def memory_calculator(
 ):
     """The calculator in JupyterLab, its controls starting at `options`; under papermill or in a terminal the
     static figure of `model` on `card` with `options` (dp, tp, pp, zero_stage, precision, micro_batch,
-    seq_len, checkpointing, micro_batches)."""
-    from labkit.models import PRESETS
-
+    seq_len, checkpointing, micro_batches; n_layers and d_model make a custom model from `model`, as the
+    sliders do)."""
     if widgets_can_render() if widgets is None else widgets:
         return displayed(MemoryCalculator(model, card, **options).widget)
-    return memory_figure(PRESETS[model], CARDS[card], **options)
+    base = _start(model)
+    shape = [options.pop(key, getattr(base, key)) for key in _SHAPE]
+    config = _model_config(base, *shape, options.get("seq_len") or base.seq_len)
+    return memory_figure(config, CARDS[card], **options)
 
 
 def pipeline_figure(p: int = 4, m: int = 8, schedule: str = "1f1b", v: int = 2):

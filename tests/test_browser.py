@@ -2,9 +2,11 @@
 
 The notebook is made of lab 02's own cells, taken from `labs/02_oom_batch.ipynb` as they are (the memory
 calculator, then the quiz), after one import cell: the whole lab would stop at its first exercise stub. The
-test runs them with Run All Cells, sees the calculator render, moves a slider and sees the estimate change,
-then answers a quiz question and sees the feedback. Skipped, with the reason, where Chromium or Playwright is
-missing (`.ci/run` installs both)."""
+test runs them with Run All Cells and sees the calculator render, every control's description whole and its
+sliders on llama2-7b's shape (32 layers of 4096); moves the layers slider and sees the model become "custom"
+and the estimate change, chooses llama2-7b again and sees its values back, moves the dp slider and sees the
+estimate change, then answers a quiz question and sees the feedback. Skipped, with the reason, where Chromium
+or Playwright is missing (`.ci/run` installs both)."""
 
 from __future__ import annotations
 
@@ -152,9 +154,38 @@ def test_a_lab_runs_its_calculator_and_quiz_in_chromium(jupyterlab):
             message = page.locator(".widget-html-content", has_text="per GPU").first
             expect(message).to_contain_text("fits")  # the calculator rendered, with its estimate
             expect(page.locator(".jupyter-widgets .widget-output img").first).to_be_visible()  # and its bar
+            calculator = page.locator(".widget-hbox", has=page.locator(".widget-slider")).first
+            labels = calculator.locator("label.widget-label")
+            # issue 28: "micro-bat…": every description is whole (no ellipsis: its text fits its box)
+            cut = labels.evaluate_all(
+                "els => els.filter(e => e.scrollWidth > e.clientWidth).map(e => e.textContent)"
+            )
+            assert cut == [], f"descriptions cut off: {cut}"
+            assert {"micro-batches", "sequence length"} <= set(labels.all_inner_texts())
+
+            def slider(name: str):
+                return calculator.locator(
+                    ".widget-slider", has=page.locator("label", has_text=re.compile(f"^{name}$"))
+                )
+
+            model = calculator.locator(
+                ".widget-dropdown", has=page.locator("label", has_text="model")
+            ).locator("select")
+            # issue 28: llama2-7b's sliders showed 24 layers and 2048 wide, and moving them changed nothing
+            expect(model).to_have_value("llama2-7b")
+            expect(slider("layers").locator(".widget-readout")).to_have_text("32")
+            expect(slider("hidden").locator(".widget-readout")).to_have_text("4096")
             before = message.inner_text()
-            slider = page.locator(".widget-slider", has=page.locator("label", has_text=re.compile(r"^dp$")))
-            handle = slider.locator(".noUi-handle").first
+            handle = slider("layers").locator(".noUi-handle").first
+            handle.focus()
+            handle.press("ArrowRight")  # 32 -> 33 layers: a custom model from llama2-7b
+            expect(model).to_have_value("custom")
+            expect(message).to_contain_text("custom (33 layers, hidden 4096")
+            model.select_option("llama2-7b")  # the preset again: its values back on the sliders
+            expect(slider("layers").locator(".widget-readout")).to_have_text("32")
+            expect(message).to_have_text(before)
+
+            handle = slider("dp").locator(".noUi-handle").first
             handle.focus()
             handle.press("ArrowLeft")  # dp 8 -> 4: with ZeRO-1 each GPU holds more optimizer state
             expect(message).not_to_have_text(before)
