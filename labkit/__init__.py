@@ -15,7 +15,7 @@ idea (docs/architecture.md has the map and the whole public surface):
   `bus_bandwidth_factor` (`labkit.links`);
 * the training job: `TrainingJob`, `MISTAKES` (`labkit.training`);
 * traces: `capture`, `read_trace`, `overlap`, `plot_timeline`, `CommLog` (`labkit.trace`);
-* the course: `record`, `read_records` (`labkit.records`).
+* the course: `record`, `read_records` (`labkit.records`), `save_figure` (`labkit.figures`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ _HOME = {
     "Cluster": "labkit.cluster",
     "read_records": "labkit.records",
     "record": "labkit.records",
+    "save_figure": "labkit.figures",
     "MemoryBudget": "labkit.emulate",
     "RankError": "labkit.errors",
     "MISTAKES": "labkit.training",
@@ -125,6 +126,7 @@ __all__ = [
     "read_trace",
     "record",
     "reset_peak_memory_stats",
+    "save_figure",
     "seeded_model",
     "synthetic_batch",
 ]
