@@ -7,11 +7,13 @@
 * `bank.py`: `Question`, `TOPICS`, `bank`, `exam`, `grade`, `score`;
 * `questions.json`: the multiple-choice questions, as data, each pointing to the lab section that teaches it;
 * `generated.py`: numeric questions whose answers come from labkit's own formulas, fresh numbers per seed;
-* `show.py`: the widget quiz, the text form and `labkit quiz`'s terminal loop.
+* `show.py`: the widget quiz and the text form;
+* `terminal.py`: `labkit quiz`'s terminal loop (practice, or a timed mock exam) and its option checks.
 """
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
-from labkit.quiz.show import mock_exam, run_terminal, show, text_form
+from labkit.quiz.show import mock_exam, show, text_form
+from labkit.quiz.terminal import run_terminal
 
 __all__ = [
     "TOPICS",

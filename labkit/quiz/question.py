@@ -13,8 +13,10 @@ TOPICS: dict[str, tuple[str, str]] = {
         "data, tensor and pipeline parallelism, and choosing between them",
         "01_parallelism_choice",
     ),
-    "memory": ("model states, ZeRO, activations and the batch", "02_oom_batch"),
-    "precision": ("bf16, fp16 with loss scaling, and allocator fragmentation", "02_oom_batch"),
+    # the caching allocator's fragmentation (empty_cache, expandable_segments, max_split_size_mb) is memory,
+    # not number formats
+    "memory": ("model states, ZeRO, activations, the batch and allocator fragmentation", "02_oom_batch"),
+    "precision": ("bf16, fp16 with loss scaling, and fp8", "02_oom_batch"),
     "communication": ("gradient buckets, overlap and no_sync", "03_unoverlapped_comms"),
     "pipeline": ("the bubble, schedules and balancing stages", "04_imbalanced_pipeline"),
     "profiling": ("traces, stragglers, data loading and host syncs", "05_unprofiled_run"),

@@ -6,21 +6,22 @@ looking at, and the plain-text form otherwise (`labkit.widgets.widgets_can_rende
 under `labkit run`, which sets `LABKIT_TEXT_ONLY=1` for the kernel). The text form prints the questions,
 then the answers with their explanations, so an executed notebook is a worksheet with its key.
 `mock_exam(n, seed, minutes)` is the timed exam over every topic, scored by topic (widgets: an answer after
-the time limit no longer counts). `run_terminal(questions, ask=input)` is `labkit quiz`'s loop.
+the time limit no longer counts). `question_lines(q, number)` is one question as text, as the text form and
+`labkit quiz`'s terminal loop (`labkit.quiz.terminal`) print it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
 from labkit.widgets import displayed, widgets_can_render
 
-__all__ = ["mock_exam", "run_terminal", "show", "text_form"]
+__all__ = ["mock_exam", "question_lines", "show", "text_form"]
 
 
-def _prompt(q: Question, number: int) -> list[str]:
+def question_lines(q: Question, number: int) -> list[str]:
+    """Question `number` as text lines: its topic and text, then the lettered choices or what to give."""
     lines = [f"Q{number} [{q.topic}] {q.text}"]
     if q.kind == "choice":
         lines += [f"   {chr(ord('a') + i)}) {c}" for i, c in enumerate(q.choices)]
@@ -37,50 +38,11 @@ def text_form(questions: list[Question]) -> str:
     """The questions, then the key: each answer, its explanation and where the course teaches it."""
     lines = []
     for i, q in enumerate(questions, 1):
-        lines += [*_prompt(q, i), ""]
+        lines += [*question_lines(q, i), ""]
     lines.append("Answers")
     for i, q in enumerate(questions, 1):
         lines.append(f"Q{i}: {q.correct}. {q.explanation} (See {q.where}.)")
     return "\n".join(lines)
-
-
-def _parse(q: Question, raw: str) -> object:
-    raw = raw.strip()
-    if q.kind == "choice" and len(raw) == 1 and raw.isalpha():
-        return ord(raw.lower()) - ord("a")
-    return raw
-
-
-def run_terminal(
-    questions: list[Question],
-    ask: Callable[[str], str] = input,
-    say: Callable[[str], None] = print,
-    minutes: float | None = None,
-) -> dict[str, tuple[int, int]]:
-    """Ask each question, give feedback at once, and print the score by topic; returns it.
-    With `minutes`, questions after the time is up count as unanswered."""
-    results, start = [], time.monotonic()
-    for i, q in enumerate(questions, 1):
-        if minutes is not None and time.monotonic() - start > minutes * 60:
-            say(
-                f"time is up ({minutes:g} min): the remaining {len(questions) - i + 1} question(s) count as "
-                "wrong"
-            )
-            results += [(rest, False) for rest in questions[i - 1 :]]
-            break
-        say("\n".join(_prompt(q, i)))
-        ok, feedback = grade(q, _parse(q, ask("your answer: ")))
-        say(feedback + "\n")
-        results.append((q, ok))
-    scores = score(results)
-    say(_score_lines(scores))
-    return scores
-
-
-def _score_lines(scores: dict[str, tuple[int, int]]) -> str:
-    rows = [f"{topic:<14} {right}/{asked}" for topic, (right, asked) in scores.items() if topic != "all"]
-    right, asked = scores.get("all", (0, 0))
-    return "\n".join(["score by topic:", *rows, f"{'all':<14} {right}/{asked} ({right / max(asked, 1):.0%})"])
 
 
 def show(topic: str | None = None, seed: int = 0, n: int | None = None, widgets: bool | None = None):

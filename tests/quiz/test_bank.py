@@ -78,3 +78,19 @@ def test_the_bank_re_exports_the_question_and_the_topics():
     assert bank.Question is Question and bank.TOPICS is TOPICS and quiz.Question is Question
     q = next(q for q in quiz.bank() if q.kind == "choice")
     assert q.correct == q.choices[int(q.answer)] and q.reference in q.where
+
+
+def test_each_question_is_tagged_with_its_topic():
+    """An id starts with its topic; the caching allocator's fragmentation settings (max_split_size_mb,
+    expandable_segments, empty_cache) are memory, not precision (issue 28)."""
+    for q in quiz.bank():
+        assert q.id.startswith(f"{q.topic}-"), (q.id, q.topic)
+    allocator = [
+        q
+        for q in quiz.bank()
+        if any(s in q.text for s in ("max_split_size_mb", "caching allocator", "empty_cache"))
+    ]
+    assert len(allocator) >= 3 and {q.topic for q in allocator} == {"memory"}, [
+        (q.id, q.topic) for q in allocator
+    ]
+    assert "fragmentation" in TOPICS["memory"][0] and "fragmentation" not in TOPICS["precision"][0]
