@@ -1,5 +1,7 @@
-"""Lab 02's exercise check: accumulated gradients against the big batch's, and DDP's all-reduces counted;
-its hint names the mistake made (a micro-batch missing, the loss not divided, no_sync on every micro-step)."""
+"""Lab 02's checks. The exercise's: accumulated gradients against the big batch's, and DDP's all-reduces
+counted; its hint names the mistake made (a micro-batch missing, the loss not divided, no_sync on every
+micro-step) (`check_accumulation`). The end-to-end one: the step with every fix fits the memory the first
+step did not, as the estimate says (`check_memory_fix`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_accumulation"]
+__all__ = ["ESTIMATE_WITHIN", "check_accumulation", "check_memory_fix"]
 
 
 def _scaled(g: torch.Tensor, ref: torch.Tensor, factor: float) -> bool:
@@ -49,3 +51,37 @@ def check_accumulation(results: list[Any], reference: torch.Tensor, steps: int) 
             "backward synchronises)."
         )
     return error
+
+
+ESTIMATE_WITHIN = 0.10  # the estimate's peak over the measured one, at most this far from 1
+
+
+def check_memory_fix(before_mib: float, after_mib: float, memory_mib: float, estimate_ratio: float) -> float:
+    """Lab 02's end-to-end check: the step as first written peaked at `before_mib` per rank, over the memory
+    `memory_mib`; the step with the fixes (your `accumulate`, autocast, checkpointing, the micro-batch found)
+    peaks at `after_mib`, within it; and the estimate of the fixed step over its measured peak,
+    `estimate_ratio`, is within `ESTIMATE_WITHIN` of 1. Returns after_mib. AssertionError naming what failed,
+    with the numbers and a hint."""
+    if not memory_mib < before_mib:
+        raise AssertionError(
+            f"the step as first written peaked at {before_mib:.1f} MiB, within the {memory_mib} MiB per "
+            "rank: there was no OOM to fix; hint: lower memory_mib or raise global_batch to see the mistake"
+        )
+    if not after_mib <= memory_mib:
+        raise AssertionError(
+            f"after {after_mib:.1f} MiB should fit in {memory_mib} MiB (before: {before_mib:.1f} MiB); hint: "
+            "check the micro-batch chosen in section 5"
+        )
+    if not abs(estimate_ratio - 1) < ESTIMATE_WITHIN:
+        why = (
+            "the step held more than the estimate counts; hint: does accumulate keep a micro-batch's loss or "
+            "outputs (and so its activations) alive after its backward?"
+            if estimate_ratio < 1
+            else "the step held less than the estimate counts; hint: compare the estimate's bars with the "
+            "measured ones in the figure above"
+        )
+        raise AssertionError(
+            f"the estimate is {estimate_ratio:.3f} x the measured peak, more than {ESTIMATE_WITHIN:.0%} off: "
+            f"{why}"
+        )
+    return after_mib

@@ -1,11 +1,13 @@
-"""Lab 01's exercise checks: the tensor-parallel all-reduce time against `labkit.planner.tp_comm_s`, and the
-learner's layout choice against the plan; their hints name the mistake made."""
+"""Lab 01's checks. The exercises': the tensor-parallel all-reduce time against `labkit.planner.tp_comm_s`,
+and the learner's layout choice against the plan; their hints name the mistake made. The end-to-end one: the
+planner's pick, measured beside every layout, is near the fastest and beats the mistake, and the prediction
+ranks the layouts as measured (`check_planner_pick`)."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from labkit.experiments.own_answer import Reference, refusing
@@ -14,7 +16,14 @@ from labkit.links import Link, collective_time_s
 from labkit.models import GPTConfig
 from labkit.planner import tp_comm_s
 
-__all__ = ["TP_COMM_REFERENCE", "check_layout_choice", "check_tp_comm"]
+__all__ = [
+    "PICK_WITHIN",
+    "RANKS_LIKE",
+    "TP_COMM_REFERENCE",
+    "check_layout_choice",
+    "check_planner_pick",
+    "check_tp_comm",
+]
 
 
 TP_COMM_REFERENCE = Reference(
@@ -162,3 +171,41 @@ def check_layout_choice(layout: Any, reason: str, plan: Any) -> Any:
             f"({value:.1f} {unit}){said}: explain the choice with the plan's numbers"
         )
     return chosen
+
+
+PICK_WITHIN = 1.10  # the pick's measured step over the fastest measured layout's, at most
+RANKS_LIKE = 0.8  # Spearman's rank correlation of predicted and measured steps, at least
+
+
+def check_planner_pick(measured_ms: Mapping[str, float], pick: str, mistake: str, rho: float) -> float:
+    """Lab 01's end-to-end check on every layout measured, `measured_ms` (layout -> measured step in ms, the
+    mistake's included): the planner's pick is at most `PICK_WITHIN` x the fastest layout, the prediction
+    ranks the layouts as measured (`rho`, Spearman's correlation of predicted and measured steps, at least
+    `RANKS_LIKE`), and the pick beats the mistake, tensor parallelism across nodes. Returns the pick's step
+    over the fastest. AssertionError naming what failed, with the numbers and a hint."""
+    for name in (pick, mistake):
+        if name not in measured_ms:
+            raise ValueError(f"{name} was not measured: measured_ms has {', '.join(measured_ms)}")
+    best = min(measured_ms, key=measured_ms.__getitem__)
+    pick_ms, best_ms, mistake_ms = measured_ms[pick], measured_ms[best], measured_ms[mistake]
+    again = (
+        "hint: is the machine busy with something else? The planner's rates were measured in section 3: "
+        "run it and this section again"
+    )
+    if not pick_ms <= PICK_WITHIN * best_ms:
+        raise AssertionError(
+            f"the pick {pick} ({pick_ms:.1f} ms) is {pick_ms / best_ms - 1:.0%} slower than the fastest "
+            f"layout measured, {best} ({best_ms:.1f} ms): more than {PICK_WITHIN - 1:.0%}; {again}"
+        )
+    if not rho >= RANKS_LIKE:
+        measured = ", ".join(f"{k} {v:.1f}" for k, v in sorted(measured_ms.items(), key=lambda kv: kv[1]))
+        raise AssertionError(
+            f"predicted and measured rank the layouts differently (Spearman {rho:.2f}, at least "
+            f"{RANKS_LIKE}); measured ms, fastest first: {measured}; {again}"
+        )
+    if not pick_ms < mistake_ms:
+        raise AssertionError(
+            f"the pick {pick} ({pick_ms:.1f} ms) is not faster than tensor parallelism across nodes, "
+            f"{mistake} ({mistake_ms:.1f} ms); {again}"
+        )
+    return pick_ms / best_ms

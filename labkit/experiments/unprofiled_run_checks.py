@@ -1,4 +1,6 @@
-"""Lab 05's exercise check: the learner's straggler finder on breakdowns with and without a straggler."""
+"""Lab 05's checks. The exercise's: the learner's straggler finder on breakdowns with and without a straggler
+(`check_find_straggler`). The end-to-end one: the trace named the planted mistake, and its fix sped the job
+up without beating the clean job by far (`check_mystery_fix`)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from labkit.experiments.own_answer import Reference, refusing
 from labkit.experiments.slips import name_slip
 from labkit.trace.analyze import RankBreakdown
 from labkit.trace.diagnose import _check_straggler, diagnose, findings
+from labkit.training import MISTAKES
 
-__all__ = ["STRAGGLER_REFERENCES", "check_find_straggler"]
+__all__ = ["CLEAN_SLOWER_OK", "STRAGGLER_REFERENCES", "check_find_straggler", "check_mystery_fix"]
 
 # labkit's own straggler rule, which reads the same breakdowns (at its own threshold)
 STRAGGLER_REFERENCES = [
@@ -133,3 +136,39 @@ def check_find_straggler(fn: Callable[[list[Any]], Any]) -> None:
             f"{expected}, the one that computes the most. (Every rank's step_ms is the same in "
             "synchronous training: compare compute_ms, not step_ms.)"
         )
+
+
+# The clean job's step over the fixed job's, at most: two identical jobs in one launch differ by up to 13 %
+# here (measured: clean / fixed 0.87-1.08 over 8 runs of 2 steps, both ranks sharing one core), so the fixed
+# job beats the clean one "by far" when the clean one takes more than a quarter longer.
+CLEAN_SLOWER_OK = 1.25
+
+
+def check_mystery_fix(found: Any, planted: str, before_ms: float, after_ms: float, limit_ms: float) -> float:
+    """Lab 05's end-to-end check: the diagnosis `found` (`labkit.trace.diagnose`'s, its `kind` and `evidence`)
+    names the mistake `planted` in the mystery job (a `labkit.training.MISTAKES` name), the fixed job's step
+    `after_ms` beats the mystery job's `before_ms`, and does not beat the clean job's `limit_ms` by far (the
+    clean job takes at most `CLEAN_SLOWER_OK` x it: a reference measured beside it, not a bound). Returns the
+    ms the fix took off the step. AssertionError naming what failed, with the numbers and a hint (never the
+    planted mistake's name: the trace is to tell it)."""
+    if planted not in MISTAKES:
+        raise ValueError(
+            f"planted={planted!r} must be one of labkit.training.MISTAKES: {', '.join(MISTAKES)}"
+        )
+    if found.kind != MISTAKES[planted].diagnosed_as:
+        raise AssertionError(
+            f"the diagnosis ({found.kind}) is not the planted mistake: see its evidence ({found.evidence}); "
+            "hint: read the per-rank breakdown above, not the job's config"
+        )
+    if not after_ms < before_ms:
+        raise AssertionError(
+            f"the fix did not speed the job up: before {before_ms:.1f} ms, after {after_ms:.1f} ms; hint: "
+            "was the job re-run with the fix the diagnosis points to (fixed_job(job, found.kind))?"
+        )
+    if not limit_ms <= after_ms * CLEAN_SLOWER_OK:
+        raise AssertionError(
+            f"the fixed job ({after_ms:.1f} ms) beat the clean one ({limit_ms:.1f} ms) by far: the clean one "
+            f"took x{limit_ms / after_ms:.2f} its time, more than the x{CLEAN_SLOWER_OK} two identical jobs "
+            "in one launch differ by; hint: is the machine busy with something else? Re-run section 5."
+        )
+    return before_ms - after_ms

@@ -1,12 +1,13 @@
-"""labkit.experiments.parallelism_choice_checks (lab 01's exercise checks): the layout choice's check names
-each mistake (the two wrong answers the notebook's mutation tests do not run: they need no kernel)."""
+"""labkit.experiments.parallelism_choice_checks (lab 01's checks): the layout choice's check names each
+mistake (the two wrong answers the notebook's mutation tests do not run: they need no kernel); the end-to-end
+check, `check_planner_pick`, passes a pick near the fastest layout and names each way one can fail."""
 
 from __future__ import annotations
 
 import pytest
 
 from labkit import Cluster
-from labkit.experiments.parallelism_choice_checks import check_layout_choice
+from labkit.experiments.parallelism_choice_checks import check_layout_choice, check_planner_pick
 from labkit.models import GPTConfig
 from labkit.planner import Rates, plan
 
@@ -38,3 +39,45 @@ def test_the_layout_choice_check_names_each_mistake():
         check_layout_choice((best.dp, best.tp, best.pp), f"{best.predicted_ms:.1f} ms", p)
     with pytest.raises(AssertionError, match="a tuple of three whole numbers"):
         check_layout_choice([2, 1, 4], reason, p)
+
+
+MEASURED = {
+    "(dp=8, tp=1, pp=1)": 50.0,
+    "(dp=2, tp=4, pp=1)": 40.0,
+    "(dp=1, tp=4, pp=2)": 43.0,
+    "(tp=8)": 120.0,
+}
+
+
+def test_the_end_to_end_check_passes_a_pick_near_the_fastest():
+    assert check_planner_pick(MEASURED, "(dp=1, tp=4, pp=2)", "(tp=8)", 0.8) == pytest.approx(43 / 40)
+
+
+@pytest.mark.parametrize(
+    "pick,rho,measured,message",
+    [
+        (
+            "(dp=8, tp=1, pp=1)",
+            0.9,
+            MEASURED,
+            r"is 25% slower than the fastest layout measured, \(dp=2, tp=4",
+        ),
+        (
+            "(dp=2, tp=4, pp=1)",
+            0.79,
+            MEASURED,
+            r"rank the layouts differently \(Spearman 0.79, at least 0.8\)",
+        ),
+        (
+            "(dp=2, tp=4, pp=1)",
+            1.0,
+            {**MEASURED, "(tp=8)": 40.0},
+            "is not faster than tensor parallelism across",
+        ),
+    ],
+)
+def test_the_end_to_end_check_names_each_failure(pick, rho, measured, message):
+    with pytest.raises(AssertionError, match=message):
+        check_planner_pick(measured, pick, "(tp=8)", rho)
+    with pytest.raises(ValueError, match="was not measured"):
+        check_planner_pick(MEASURED, "(dp=4, tp=2, pp=1)", "(tp=8)", rho)

@@ -235,8 +235,12 @@ def test_papermill_with_a_wrong_type_fails_in_the_cell_that_checks_it_with_the_f
 ):
     from labkit.course.execute import execute
 
-    done = execute(repo / "solutions" / "04_imbalanced_pipeline.ipynb", tmp_path / "04.ipynb",
-                   parameters={"stages": "four"}, cwd=tmp_path)
+    done = execute(
+        repo / "solutions" / "04_imbalanced_pipeline.ipynb",
+        tmp_path / "04.ipynb",
+        parameters={"stages": "four"},
+        cwd=tmp_path,
+    )
     assert not done.ok and done.ename == "ParamError", done.error
     assert done.evalue == (
         "stages='four' must be a whole number; write stages = 4 in the parameters cell (or -p stages 4 with "

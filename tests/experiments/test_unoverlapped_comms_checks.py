@@ -1,9 +1,14 @@
 """labkit.experiments.unoverlapped_comms_checks (lab 03's exercise checks): the exercise's base class leaves
 exactly the hook and the flush to the learner; driven with the hooks in a shuffled order on 2 emulated
 ranks, the reference passes the check, and a flush written as buckets fill up is named by it. Every wrong
-answer's hint, in a notebook: the exercise mutation tests."""
+answer's hint, in a notebook: the exercise mutation tests. The end-to-end check, `check_overlapped_step`,
+passes a step that shows the lesson and names each way one can fail, refusing what the notebook's asserts
+refused before it had a home."""
 
 from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -13,6 +18,7 @@ from labkit.experiments.unoverlapped_comms_checks import (
     HookDrill,
     OverlappedDDPExercise,
     check_overlapped_ddp,
+    check_overlapped_step,
     drive_hooks_shuffled,
 )
 from labkit.parallel.data import OverlappedDDP
@@ -74,3 +80,92 @@ def test_gradients_averaged_twice_or_never_are_named():
     again = [HookDrill([0, 0, 1], 2, [1.5], r) for r in range(2)]
     with pytest.raises(AssertionError, match="bucket 0 was flushed again"):
         check_overlapped_ddp(again, 2)
+
+
+def _mode(step_ms, max_abs_diff=1e-7, in_backward=None, collectives=10):
+    """The fields of a `ModeSummary` the end-to-end check reads."""
+    return SimpleNamespace(
+        step_ms=step_ms,
+        max_abs_diff=max_abs_diff,
+        in_backward=collectives if in_backward is None else in_backward,
+        collectives=collectives,
+    )
+
+
+def _final(naive=200.0, overlapped=120.0, **others):
+    def mode(m):
+        return m if isinstance(m, SimpleNamespace) else _mode(m)
+
+    return {"naive": mode(naive), "overlapped": mode(overlapped), "torch_ddp": _mode(125.0), **others}
+
+
+def test_the_end_to_end_check_passes_an_overlapped_step_near_its_limit():
+    assert check_overlapped_step(_final(), 100.0) == pytest.approx((0.6, 1.2))
+    assert check_overlapped_step(_final(overlapped=140.0), 100.0, clock="wall") == pytest.approx((0.7, 1.4))
+    assert check_overlapped_step(_final(overlapped=300.0), 100.0, emulated=False) == pytest.approx((1.5, 3.0))
+
+
+@pytest.mark.parametrize(
+    "final,clock,message",
+    [
+        (
+            _final(overlapped=170.0),
+            "virtual",
+            r"not clearly faster than naive 200 ms \(x0.85, at most x0.8 on",
+        ),
+        (_final(overlapped=185.0), "wall", r"\(x0.93, at most x0.9 on the wall clock\); hint: are buckets"),
+        (
+            _final(naive=400.0, overlapped=130.0),
+            "virtual",
+            r"far from the limit 100 ms \(x1.30, at most x1.25",
+        ),
+        (
+            _final(torch_ddp=_mode(125.0, in_backward=7)),
+            "virtual",
+            "torch DDP launched 7 of its 10 collectives",
+        ),
+        (
+            _final(overlapped=_mode(120.0, 3e-5)),
+            "virtual",
+            r"drifted from the single-process run in overlapped",
+        ),
+        (
+            _final(naive=_mode(200.0, float("nan"))),
+            "virtual",
+            r"drifted from the single-process run in naive",
+        ),
+    ],
+)
+def test_the_end_to_end_check_names_each_failure(final, clock, message):
+    with pytest.raises(AssertionError, match=message):
+        check_overlapped_step(final, 100.0, clock=clock)
+
+
+def test_the_end_to_end_check_refuses_what_the_notebooks_asserts_refused():
+    # solutions/03_unoverlapped_comms.ipynb's check cell before the check had a home
+    def asserts(final, limit_ms, emulated, clock):
+        diffs = {m: final[m].max_abs_diff for m in ("naive", "overlapped", "torch_ddp")}
+        assert all(d < 1e-5 for d in diffs.values())
+        after_ms, before_ms = final["overlapped"].step_ms, final["naive"].step_ms
+        if emulated:
+            max_ratio, max_to_limit = (0.8, 1.25) if clock == "virtual" else (0.9, 1.5)
+            assert after_ms / before_ms <= max_ratio and after_ms / limit_ms <= max_to_limit
+        assert final["torch_ddp"].in_backward == final["torch_ddp"].collectives
+
+    for naive, overlapped, diff, in_backward, emulated, clock in itertools.product(
+        [130.0, 150.0, 160.0, 200.0],
+        [100.0, 120.0, 125.0, 135.0, 150.0],
+        [1e-7, 1e-5],
+        [9, 10],
+        [True, False],
+        ["virtual", "wall"],
+    ):
+        final = _final(naive, overlapped, torch_ddp=_mode(125.0, diff, in_backward))
+        outcomes = []
+        for check in (asserts, check_overlapped_step):
+            try:
+                check(final, 100.0, emulated=emulated, clock=clock)
+                outcomes.append(False)
+            except AssertionError:
+                outcomes.append(True)
+        assert outcomes[0] == outcomes[1], (naive, overlapped, diff, in_backward, emulated, clock)
