@@ -18,11 +18,13 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["EXIT_FAILED", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "main"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 def _root(arg: str | None) -> Path:
@@ -169,32 +171,18 @@ def _select(solutions: Path, lab: str | None) -> list[Path]:
 
 
 def _lab_params(notebooks: list[Path], given: dict) -> dict[str, dict]:
-    """Per lab, the `-p` values that are its parameters, checked by its `Params` before any kernel starts
-    (`ParamError` says the fix as `-p KEY VALUE`); a key that is none of the labs' is refused."""
-    from labkit.experiments import registry
-    from labkit.experiments.params import ParamError
+    """Per lab, the `-p` values that are its parameters, checked before any kernel starts
+    (`labkit.course.parameters.lab_parameters`, which `labkit grade` uses too)."""
+    from labkit.course.parameters import lab_parameters
 
-    labs = [nb.stem for nb in notebooks if nb.stem in registry.LABS]
-    fields = {lab: registry.params_of(lab).field_docs() for lab in labs}
-    unknown = [k for k in given if not any(k in f for f in fields.values())]
-    if unknown:
-        where = labs[0] if len(labs) == 1 else "any of the labs run"
-        known = ", ".join(sorted({k for f in fields.values() for k in f}))
-        raise ParamError(unknown[0], given[unknown[0]], f"a parameter of {where} ({known})", form="p")
-    out = {}
-    for lab in labs:
-        mine = {k: v for k, v in given.items() if k in fields[lab]}
-        registry.params_of(lab).make(mine, "p")
-        out[lab] = mine
-    return out
+    return lab_parameters([nb.stem for nb in notebooks], given, "run")
 
 
 def run(args: argparse.Namespace) -> int:
-    from labkit.course.execute import execute
+    from labkit.course.execute import Interrupted
     from labkit.course.report import write_report
-    from labkit.course.runs import new_run_dir, point_latest, run_context
+    from labkit.course.runs import complete, new_run_dir, point_latest, run_context
     from labkit.experiments.params import ParamError
-    from labkit.records import read_records
 
     root = _root(args.root)
     solutions = root / "solutions"
@@ -214,45 +202,95 @@ def run(args: argparse.Namespace) -> int:
     base = Path(args.out)
     out = new_run_dir(base)  # a folder of its own: never mixed with an earlier run
     os.environ["LABKIT_TEXT_ONLY"] = "1"  # the kernels papermill starts: quizzes as text (labkit.quiz.show)
-    results = []
-    failed = []
-    for i, nb in enumerate(notebooks, 1):
-        lab = nb.stem
-        params = per_lab.get(lab, given)
-        target = out / nb.name
-        workdir = out / lab  # figures a notebook saves land here, and the report links them
-        workdir.mkdir(exist_ok=True)
-        print(f"[{i}/{len(notebooks)}] {lab}: running with {params} ...", flush=True)
-        run_ = execute(
-            nb,
-            target,
-            parameters=params,
-            cwd=workdir,
-            kernel=args.kernel,
-            cell_timeout=args.cell_timeout,
-            progress=not args.quiet,
-        )
-        entry: dict = {
-            "lab": lab,
-            "notebook": str(target),
-            "parameters": params,
-            "status": "passed" if run_.ok else "failed",
-            "seconds": round(run_.seconds, 1),
-            "records": read_records(target) if target.exists() else {},
-        }
-        if not run_.ok:
-            entry["error"] = run_.error
-            failed.append(f"{lab} {run_.error}")
-        results.append(entry)
-        verdict = "passed" if run_.ok else f"FAILED at {run_.error}"
-        print(f"[{i}/{len(notebooks)}] {lab}: {verdict} in {entry['seconds']} s", flush=True)
+    results: list[dict] = []
+    try:
+        for i, nb in enumerate(notebooks, 1):
+            results.append(_run_lab(nb, f"[{i}/{len(notebooks)}]", per_lab.get(nb.stem, given), out, args))
+    except Interrupted as stop:
+        results.append(_interrupted_entry(stop, given, per_lab))
+        write_report(out, results, context=run_context(root, args.cluster))
+        print(f"\nlabkit run: {_interrupted_line(stop, results, out, base)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     json_path, md_path = write_report(out, results, context=run_context(root, args.cluster))
-    latest = point_latest(base, out)
-    print(f"report: {md_path} (and {json_path.name}); {latest} points to it")
+    every_lab = len(notebooks) == len(sorted(solutions.glob("[0-9][0-9]_*.ipynb")))
+    if complete(results, every_lab):
+        print(f"report: {md_path} (and {json_path.name}); {point_latest(base, out)} points to it")
+    else:
+        print(f"report: {md_path} (and {json_path.name}); {_latest_kept(base)}")
+    failed = [f"{e['lab']} {e['error']}" for e in results if e["status"] != "passed"]
     if failed:
         print("labkit run: failed: " + "; ".join(failed), file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _run_lab(nb: Path, counter: str, params: dict, out: Path, args: argparse.Namespace) -> dict:
+    """One solution notebook run into `out` (figures it saves land in `out/<lab>/`, the report links them);
+    its report entry."""
+    from labkit.course.execute import execute
+    from labkit.figures import FIGURES_ENV
+    from labkit.records import read_records
+
+    lab, target = nb.stem, out / nb.name
+    workdir = out / lab
+    workdir.mkdir(exist_ok=True)
+    os.environ[FIGURES_ENV] = str(workdir)  # the kernel's labkit.save_figure writes the report's PNGs here
+    print(f"{counter} {lab}: running with {params} ...", flush=True)
+    run_ = execute(
+        nb,
+        target,
+        parameters=params,
+        cwd=workdir,
+        kernel=args.kernel,
+        cell_timeout=args.cell_timeout,
+        progress=not args.quiet,
+    )
+    entry: dict = {
+        "lab": lab,
+        "notebook": str(target),
+        "parameters": params,
+        "status": "passed" if run_.ok else "failed",
+        "seconds": round(run_.seconds, 1),
+        "records": read_records(target) if target.exists() else {},
+    }
+    if not run_.ok:
+        entry["error"] = run_.error
+    verdict = "passed" if run_.ok else f"FAILED at {run_.error}"
+    print(f"{counter} {lab}: {verdict} in {entry['seconds']} s", flush=True)
+    return entry
+
+
+def _interrupted_entry(stop: Any, given: dict, per_lab: dict) -> dict:
+    """The report's entry for the lab Ctrl-C stopped (`stop`: a `labkit.course.execute.Interrupted`)."""
+    lab = stop.notebook.stem
+    where = "before its first cell" if stop.cell is None else f"in cell {stop.cell} of {stop.cells}"
+    return {
+        "lab": lab,
+        "notebook": str(stop.notebook),
+        "parameters": per_lab.get(lab, given),
+        "status": "interrupted",
+        "seconds": None,
+        "records": {},
+        "error": f"interrupted (Ctrl-C) {where}",
+    }
+
+
+def _interrupted_line(stop: Any, results: list[dict], out: Path, base: Path) -> str:
+    """One line: where Ctrl-C stopped the run and what was kept."""
+    done = [e["lab"][:2] for e in results if e["status"] != "interrupted"]
+    kept = f"the report of lab(s) {', '.join(done)}" if done else "its report"
+    partial = f", the partly run {stop.notebook.name}" if stop.notebook.exists() else ""
+    return (
+        f"{results[-1]['error']} in {stop.notebook.stem}; kept {out} ({kept}{partial}); {_latest_kept(base)}"
+    )
+
+
+def _latest_kept(base: Path) -> str:
+    """What `base/latest` points to, when this run did not move it (only a complete run does)."""
+    link = base / "latest"
+    if link.is_symlink():
+        return f"{link} still points to {os.readlink(link)}, the last run of every lab that passed"
+    return f"{link} is made by the first run of every lab that passes"
 
 
 def report(args: argparse.Namespace) -> int:
@@ -299,9 +337,10 @@ def build(args: argparse.Namespace) -> int:
 
 def quiz(args: argparse.Namespace) -> int:
     from labkit import quiz as q
+    from labkit.quiz.terminal import command_questions
 
-    try:
-        questions = q.exam(args.exam, args.seed) if args.exam else q.bank(args.topic, args.seed)
+    try:  # errors say the option, its value and the command that works (--exam 0 is an error, not "all")
+        questions = command_questions(args.topic, args.exam, args.seed, args.minutes)
     except ValueError as exc:
         print(f"labkit quiz: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -309,7 +348,7 @@ def quiz(args: argparse.Namespace) -> int:
         print(q.text_form(questions))
         return 0
     try:
-        q.run_terminal(questions, minutes=args.minutes if args.exam else None)
+        q.run_terminal(questions, minutes=args.minutes if args.exam is not None else None)
     except (EOFError, KeyboardInterrupt):
         print("\nlabkit quiz: stopped", file=sys.stderr)
         return 1
@@ -321,12 +360,12 @@ def grade(args: argparse.Namespace) -> int:
 
     os.environ["LABKIT_TEXT_ONLY"] = "1"
     params = {"cluster": args.cluster, **_parse_params(args.param)}
-    try:
+    try:  # a folder without labs, a -p key no lab graded takes or a value one refuses: before any kernel
         grades = grade_folder(args.folder, params, args.cell_timeout)
     except ValueError as exc:
         print(f"labkit grade: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(table(grades))
+    print(table(grades, args.csv))
     if args.csv:
         write_csv(grades, args.csv)
         print(f"wrote {args.csv}")
@@ -409,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--seed", type=int, default=0, help="draws the numeric questions; the same seed, the same paper"
     )
-    p.add_argument("--exam", type=int, metavar="N", help="a timed mock exam of N questions over every topic")
+    p.add_argument(
+        "--exam",
+        type=int,
+        metavar="N",
+        help="a timed mock exam of N questions over every topic; answers and explanations at the end",
+    )
     p.add_argument("--minutes", type=float, default=30.0, help="the mock exam's time limit")
     p.add_argument("--print", action="store_true", help="print the questions and the key instead of asking")
     p.set_defaults(func=quiz)
@@ -418,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         "grade", help="run learners' lab notebooks and report which checks pass", formatter_class=fmt
     )
     p.add_argument("folder", help="learners' notebooks: FOLDER/<learner>/<NN_lab>.ipynb")
-    _notebook_options(p, "cpu", "notebook parameter for every notebook")
-    p.add_argument("--csv", help="also write the grades to this CSV file (learner, lab, check, status)")
+    _notebook_options(p, "cpu", "notebook parameter, passed to the labs that have it (checked first)")
+    p.add_argument(
+        "--csv", help="also write the grades to this CSV file (learner, lab, check, status: each one whole)"
+    )
     p.set_defaults(func=grade)
 
     p = sub.add_parser("report", help="rewrite the report of a run folder")
@@ -427,7 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=report)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C anywhere else: one line, no traceback (run says more itself)
+        print(f"\nlabkit {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

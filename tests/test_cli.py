@@ -28,10 +28,10 @@ def test_labkit_quiz_in_the_terminal(labkit_env):
         env=labkit_env,
     )
     assert out.returncode == 0 and "Answers" in out.stdout
-    n = len(quiz.bank("cluster"))
+    answers = "".join(("a" if q.kind == "choice" else "1") + "\n" for q in quiz.bank("cluster"))
     out = subprocess.run(
         [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "cluster"],
-        input="a\n" * n,
+        input=answers,
         capture_output=True,
         text=True,
         timeout=60,
@@ -70,11 +70,10 @@ def test_labkit_run_writes_a_report_in_a_folder_of_its_own(repo, labkit_env, tmp
     proc = subprocess.run(cmd, cwd=repo, env=labkit_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "without encryption" not in proc.stdout + proc.stderr
-    latest = tmp_path / "runs" / "latest"
-    assert (
-        latest.is_symlink() and (latest / "report.md").exists() and (latest / "00_cluster_tour.html").exists()
-    )
-    report = (latest / "report.md").read_text()
+    (run_dir,) = (tmp_path / "runs").iterdir()  # one lab: a folder of its own; `latest` is for full runs
+    assert (run_dir / "report.md").exists() and (run_dir / "00_cluster_tour.html").exists()
+    assert "runs/latest is made by the first run of every lab that passes" in proc.stdout
+    report = (run_dir / "report.md").read_text()
     assert "Run on " in report and "- **limit**:" in report and "| 00_cluster_tour |" in report
     assert "| sizes_kib | [4, 256] | message sizes (KiB)" in report
 
@@ -122,3 +121,102 @@ def test_doctor_on_a_node_with_one_gpu_says_which_labs_use_it(capsys, monkeypatc
     assert "GPU: 1 rank on NCCL: its lessons are one rank's memory" in lines["02_oom_batch"]
     assert "its default: it needs two nodes" in lines["01_parallelism_choice"]
     assert "profiles the layers on this GPU" in lines["04_imbalanced_pipeline"]
+
+
+def _fake_lab(outcomes: dict[str, str]):
+    """A stand-in for `labkit.cli._run_lab` that 'runs' a lab instantly with the outcome given per lab
+    (passed, failed, or interrupted: Ctrl-C in its cell 7, after writing a partial copy)."""
+    from labkit.course.execute import Interrupted
+
+    def fake(nb, counter, params, out, args):
+        outcome = outcomes.get(nb.stem[:2], "passed")
+        if outcome == "interrupted":
+            (out / nb.name).write_text("{}")
+            raise Interrupted(out / nb.name, 7, 30)
+        entry = {"lab": nb.stem, "notebook": str(out / nb.name), "parameters": params, "status": outcome,
+                 "seconds": 1.0, "records": {}}
+        return {**entry, "error": "cell 3: AssertionError: x"} if outcome == "failed" else entry
+
+    return fake
+
+
+def test_latest_moves_only_for_a_run_of_every_lab_that_passed(repo, tmp_path, monkeypatch, capsys):
+    """A failed run, or a one-lab run, keeps its own folder and says where `latest` still points: the last
+    good full report stays one path away (issue 28, point 8)."""
+    import labkit.cli as cli
+
+    runs = tmp_path / "runs"
+    args = ["run", "--root", str(repo), "--out", str(runs), "--quiet"]
+    monkeypatch.setattr(cli, "_run_lab", _fake_lab({}))
+    assert main(args) == 0
+    latest = runs / "latest"
+    good = latest.resolve()
+    assert latest.is_symlink() and "points to it" in capsys.readouterr().out
+    for outcomes, extra, status in (({"03": "failed"}, [], 1), ({}, ["--lab", "02"], 0)):
+        monkeypatch.setattr(cli, "_run_lab", _fake_lab(outcomes))
+        assert main(args + extra) == status
+        assert latest.resolve() == good, outcomes
+        said = capsys.readouterr().out
+        assert f"still points to {good.name}, the last run of every lab that passed" in said
+    assert len([p for p in runs.iterdir() if not p.is_symlink()]) == 3
+
+
+def test_ctrl_c_in_a_lab_says_where_and_what_was_kept_in_one_line(repo, tmp_path, monkeypatch, capsys):
+    import json
+
+    import labkit.cli as cli
+
+    monkeypatch.setattr(cli, "_run_lab", _fake_lab({"02": "interrupted"}))
+    code = main(["run", "--root", str(repo), "--out", str(tmp_path / "runs"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    (run_dir,) = [p for p in (tmp_path / "runs").iterdir()]
+    assert code == 130 and len(err.splitlines()) == 1, err
+    assert err == (
+        f"labkit run: interrupted (Ctrl-C) in cell 7 of 30 in 02_oom_batch; kept {run_dir} (the report of "
+        f"lab(s) 00, 01, the partly run 02_oom_batch.ipynb); {tmp_path / 'runs' / 'latest'} is made by the "
+        "first run of every lab that passes"
+    )
+    labs = json.loads((run_dir / "report.json").read_text())["labs"]
+    statuses = [(e["lab"][:2], e["status"]) for e in labs]
+    assert statuses == [("00", "passed"), ("01", "passed"), ("02", "interrupted")]
+
+
+def test_ctrl_c_during_labkit_run_ends_it_in_one_line_with_no_process_left(repo, labkit_env, tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the foreground process group) while lab 01's ranks run: exit
+    status 130, one line and no traceback, the run folder kept, no kernel or rank left behind."""
+    import os
+    import signal
+    import time
+
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "01", "--quiet", "--out", str(runs)]
+    proc = subprocess.Popen(
+        cmd, cwd=repo, env=labkit_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(runs.glob("*/01_parallelism_choice.ipynb")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the lab never started"
+            time.sleep(0.2)
+        time.sleep(3)  # into the lab's cells (it runs for half a minute and more)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and len(lines) == 1 and "Traceback" not in out + err, out + err
+    assert lines[0].startswith("labkit run: interrupted (Ctrl-C) ")
+    assert "in 01_parallelism_choice; kept " in lines[0] and not (runs / "latest").exists()
+    # the kernel and its ranks leave when their parent goes (JPY_PARENT_PID, PR_SET_PDEATHSIG): within seconds
+    deadline = time.monotonic() + 30
+    while (left := _session(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+
+
+def _session(sid: int) -> str:
+    """The processes left in session `sid` (the labkit run a test started and its children), a line each."""
+    ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(sid)], capture_output=True, text=True)
+    return ps.stdout.strip()

@@ -104,7 +104,7 @@ def execute(
             exc.source,
         )
     except Exception as exc:  # a cell over its time limit, a kernel that died or never started
-        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        first = str(exc).splitlines()[0] if str(exc) else ""  # whole: a grade's CSV keeps it so
         return Execution(
             out, False, time.perf_counter() - t0, f"{type(exc).__name__}: {first}", type(exc).__name__, first
         )
