@@ -73,7 +73,10 @@ def test_labkit_run_writes_a_report_in_a_folder_of_its_own(repo, labkit_env, tmp
     (run_dir,) = (tmp_path / "runs").iterdir()  # one lab: a folder of its own; `latest` is for full runs
     assert (run_dir / "report.md").exists() and (run_dir / "00_cluster_tour.html").exists()
     assert "runs/latest is made by the first run of every lab that passes" in proc.stdout
+    # the lab's figure is kept in the run's lab folder, which the report links (and nowhere else)
+    assert (run_dir / "00_cluster_tour" / "00_cluster_tour_busbw.png").exists()
     report = (run_dir / "report.md").read_text()
+    assert "00_cluster_tour/00_cluster_tour_busbw.png" in report
     assert "Run on " in report and "- **limit**:" in report and "| 00_cluster_tour |" in report
     assert "| sizes_kib | [4, 256] | message sizes (KiB)" in report
 
