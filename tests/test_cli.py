@@ -196,6 +196,9 @@ def test_ctrl_c_during_labkit_run_ends_it_in_one_line_with_no_process_left(repo,
     proc = subprocess.Popen(
         cmd, cwd=repo, env=labkit_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
+        # as a terminal's shell starts a foreground command: a suite started in the background (`cmd &` in a
+        # script) ignores SIGINT, and a process that starts with SIGINT ignored never sees Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120

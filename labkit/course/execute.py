@@ -13,7 +13,7 @@ The kernel logs only its critical errors: a cell's error is in the executed note
 in the kernel's log, whose ERROR lines were noise in passing runs: jupyter_client interrupts the kernel before
 every shutdown (`KernelManager._async_shutdown_kernel`), and an idle ipykernel logs "KeyboardInterrupt caught
 in kernel" when that SIGINT lands while it handles a message; after Ctrl-C it logged the closed sockets'
-ZMQError tracebacks."""
+ZMQError tracebacks. Its event loop logs nothing either (`_QUIET_ASYNCIO`)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,13 @@ class Interrupted(KeyboardInterrupt):
         self.notebook, self.cell, self.cells = notebook, cell, cells
 
 
+# Run in the kernel before the first cell, defining no name there: its event loop's own log (asyncio's logger)
+# printed "Task was destroyed but it is pending!" for the control channel's task at shutdown in passing runs.
+_QUIET_ASYNCIO = (
+    "--IPKernelApp.exec_lines=[\"__import__('logging').getLogger('asyncio').setLevel(50)\"]"
+)
+
+
 def execute(
     path: str | Path,
     out: str | Path,
@@ -85,7 +92,7 @@ def execute(
             progress_bar=progress,
             log_output=False,
             allow_errors=allow_errors,
-            extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
+            extra_arguments=["--IPKernelApp.log_level=CRITICAL", _QUIET_ASYNCIO],
         )
     except KeyboardInterrupt:
         # the event loop's tasks that Ctrl-C cut short are collected later and would each log a traceback
