@@ -49,6 +49,7 @@ from labkit.models import GPT, GPTConfig, check_tp_size
 __all__ = [
     "CHECKPOINTING",
     "OPTIMIZERS",
+    "PEAK_MOMENTS",
     "PRECISIONS",
     "MemoryBreakdown",
     "blocks_per_stage",
@@ -81,6 +82,8 @@ class MemoryBreakdown:
     other: int = 0
     peak: int | None = None  # None: the sum of the categories
     source: str = ""
+    # An estimate's moment of the peak (one of PEAK_MOMENTS); "" for a measurement, whose peak is its sum
+    peak_at: str = ""
 
     def __post_init__(self) -> None:
         if self.peak is None:
@@ -115,6 +118,17 @@ class MemoryBreakdown:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in self.mib().items())
         label = f"{self.source}: " if self.source else ""
         return f"{label}{parts} (MiB)"
+
+
+# When an estimate's step peaks (`MemoryBreakdown.peak_at`), and what is alive then besides the weights and
+# optimizer states (and the gradients, when several micro-batches keep them through the step).
+PEAK_MOMENTS = {
+    "backward": "the start of backward: every activation and the loss temporaries; gradients appear as the "
+    "activations are freed",
+    "optimizer": "the optimizer step: every gradient; the activations are freed by then",
+    "recomputation": "backward with full recomputation: the kept block inputs, one block recomputed with its "
+    "temporaries, the gradients of the later blocks",
+}
 
 
 # precision -> (param bytes, grad bytes, fp32 master-copy bytes, bytes per optimizer state,
@@ -367,21 +381,22 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k
     live_grads = 0 if k.keep_grads else grad_mem  # gradients that appear during the step
 
     act_mem = other = 0
-    transient = live_grads  # the optimizer step holds all gradients
+    transient, moment = live_grads, "optimizer"  # the optimizer step holds all gradients
     if config is not None:
         seq = config.seq_len if k.seq_len is None else k.seq_len
-        act_mem, other, peak_of_backward = _activations(
+        act_mem, other, peak_of_backward, backward_moment = _activations(
             config, k.micro_batch, seq, k.precision, k.checkpointing, k.activations, live_grads, k.tp, blocks,
             in_flight, has_head, stage, n,
         )
-        transient = max(transient, peak_of_backward)
+        if peak_of_backward >= transient:
+            transient, moment = peak_of_backward, backward_moment
     peak = param_mem + opt_mem + (grad_mem if k.keep_grads else 0) + transient
     parallel = "" if where == "tp=1, pp=1" else f", {where}"
     setting = f"{k.precision}, {k.optimizer}, dp={k.dp}, ZeRO-{k.zero_stage}, {k.activations}"
     if k.checkpointing != "none":
         setting += f", {k.checkpointing} recomputation"
     source = f"estimate ({setting}{parallel})"
-    return MemoryBreakdown(param_mem, grad_mem, opt_mem, act_mem, other, peak, source)
+    return MemoryBreakdown(param_mem, grad_mem, opt_mem, act_mem, other, peak, source, moment)
 
 
 def _count_params(params: int | None, model: GPTConfig | nn.Module | None) -> tuple[int, GPTConfig | None]:
@@ -415,9 +430,10 @@ def _activations(
     has_head: bool = True,
     stage: int = 0,
     n: int | None = None,
-) -> tuple[int, int, int]:
-    """(activation bytes, other temporaries, bytes of both at backward's peak) for `estimate`:
-    `blocks` blocks (all of them by default) with `in_flight` micro-batches, the head if `has_head`."""
+) -> tuple[int, int, int, str]:
+    """(activation bytes, other temporaries, bytes of both at backward's peak, that moment: "backward" or
+    "recomputation") for `estimate`: `blocks` blocks (all of them by default) with `in_flight` micro-batches,
+    the head if `has_head`."""
     blocks = config.n_layers if blocks is None else blocks
     if activations == "korthikanti":
         act = in_flight * korthikanti_activation_bytes(
@@ -431,14 +447,14 @@ def _activations(
         )
         if PRECISIONS[precision][4] == 4:
             act *= 2  # course adaptation: fp32 activations are twice the 16-bit bytes
-        return act, 0, act
+        return act, 0, act, "backward"
     parts = gpt_activations(config, micro_batch, seq, precision, tp)
     head = parts.head if has_head else 0
     other = parts.loss_temps if has_head else 0
     # Selective recomputation drops the s*s scores; fused attention keeps none, so nothing changes here.
     if checkpointing != "full":
         act = in_flight * blocks * parts.per_block + head
-        return act, other, act + other
+        return act, other, act + other, "backward"
     kept = in_flight * blocks * parts.block_input
     # Start of backward: kept inputs + head + loss temporaries. Later, the first block is
     # recomputed and differentiated while the gradients of all later blocks and of the head exist.
@@ -449,5 +465,6 @@ def _activations(
             + ((config.vocab_size + config.seq_len) * config.d_model if stage == 0 else 0)
         ) / n
     later_grads = round(live_grads * (1 - share))
-    peak = max(kept + head + other, kept + parts.per_block + parts.block_temps + later_grads)
-    return kept + parts.per_block + head, other, peak
+    start, recomputing = kept + head + other, kept + parts.per_block + parts.block_temps + later_grads
+    moment = "backward" if start >= recomputing else "recomputation"
+    return kept + parts.per_block + head, other, max(start, recomputing), moment

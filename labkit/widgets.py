@@ -130,44 +130,33 @@ class AtPeak(NamedTuple):
     note: str
 
 
-def at_peak(b: MemoryBreakdown, *, grads_kept: bool = False, checkpointing: bool | str = False) -> AtPeak:
-    """What `b` (an `estimate`) holds at its peak, by estimate's own model: weights and optimizer states live
-    through the step, and so do the gradients when they are kept (`grads_kept`: several micro-batches add
-    into them). The rest is largest at one of three moments, and the largest of those is the peak: the start
-    of backward (every activation and the loss temporaries; the gradients appear as the activations are
-    freed), the optimizer step (every gradient; the activations are freed) and, with `checkpointing`, backward
-    itself (the kept block inputs, one block recomputed with its temporaries, the gradients made so far). So
-    the bar of all parts (`b.total`) stands above the peak by what never coexists."""
+def at_peak(b: MemoryBreakdown, *, grads_kept: bool = False) -> AtPeak:
+    """What estimate `b` holds at its peak, at the moment the estimate says (`b.peak_at`, one of
+    `labkit.memory.PEAK_MOMENTS`): the weights and optimizer states live through the step, and so do the
+    gradients when they are kept (`grads_kept`: several micro-batches add into them); the rest is what that
+    moment holds. So the bar of all parts (`b.total`) stands above the peak by what never coexists."""
+    from labkit.memory import PEAK_MOMENTS
+
+    if b.peak_at not in PEAK_MOMENTS:
+        raise ValueError(
+            "at_peak needs an estimate (labkit.memory.estimate), which says when it peaks; "
+            f"{b.source or 'this breakdown'} has peak_at={b.peak_at!r}"
+        )
     steady = {"params": b.params, "optimizer": b.optimizer} | ({"grads": b.grads} if grads_kept else {})
     rest = int(b.peak) - sum(steady.values())  # type: ignore[arg-type]
-    if checkpointing in (False, "none", "selective") and rest == b.activations + b.other:
-        alive = {**steady, "activations": b.activations, "other": b.other}
-        when = "at the start of backward"
-        what = "every activation and the loss temporaries" + (
-            ", with the gradients that earlier micro-batches accumulated"
-            if grads_kept
-            else "; the gradients appear as activations are freed"
-        )
-    elif not grads_kept and rest == b.grads:
-        alive, when = {**steady, "grads": b.grads}, "at the optimizer step"
-        what = "every gradient; the activations are freed by then"
-    else:
-        alive, when = {**steady, "backward": rest}, "in backward, with recomputation"
+    when, what = PEAK_MOMENTS[b.peak_at].split(": ", 1)
+    if b.peak_at == "backward":
+        alive = {**steady, "activations": rest - b.other, "other": b.other}
         if grads_kept:
-            what = (
-                "the kept block inputs with the loss temporaries or one recomputed block, and the gradients"
-            )
-        elif rest > b.activations + b.other:  # more than every activation: gradients are part of it
-            what = (
-                "the kept block inputs, one block recomputed with its temporaries, the gradients made so far"
-            )
-        else:
-            what = (
-                "the kept block inputs with the loss temporaries or one recomputed block, any gradients made"
-            )
+            what = "every activation and the loss temporaries, and the gradients earlier micro-batches added"
+    elif b.peak_at == "optimizer":
+        alive = {**steady, "grads": b.grads}
+    else:
+        alive = {**steady, _RECOMPUTED[0]: rest}
     order = [key for key, _, _ in _PARTS] + [_RECOMPUTED[0]]
     alive_parts = tuple((key, alive[key]) for key in order if alive.get(key, 0) > 0)
     total, peak = b.total / _GIB, int(b.peak) / _GIB  # type: ignore[arg-type]
+    when = f"at {when}" if b.peak_at != "recomputation" else "in backward, with recomputation"
     if b.peak < b.total:
         note = (
             f"The parts sum to {total:.1f} GiB, but not all are alive at once: the peak is {peak:.1f} GiB, "
@@ -195,7 +184,7 @@ def memory_figure(config: GPTConfig, card_gib: float, *, title: str = "", **opti
     b = breakdown(config, **options)
     return _figure(
         b,
-        at_peak(b, grads_kept=_grads_kept(options), checkpointing=options.get("checkpointing", False)),
+        at_peak(b, grads_kept=_grads_kept(options)),
         card_gib,
         title,
     )
@@ -448,7 +437,7 @@ class MemoryCalculator:
             self.message.value = f"<span style='color:firebrick'>{html.escape(self.error)}</span>"
             return
         b, cap = self.breakdown, CARDS[v["card"]]
-        self.at_peak = at_peak(b, grads_kept=_grads_kept(options), checkpointing=options["checkpointing"])
+        self.at_peak = at_peak(b, grads_kept=_grads_kept(options))
         sizes = ((name, getattr(b, key) / _GIB) for key, name, _ in _PARTS if getattr(b, key))
         parts = ", ".join(f"{name} {gib:.1f}" for name, gib in sizes)
         fits = b.peak <= 0.9 * cap * _GIB

@@ -287,3 +287,25 @@ def test_the_memory_estimate_is_within_10_percent_of_cuda_net_of_the_baseline():
         pytest.skip("no GPU")
     (r,) = launch(_estimate_vs_allocator, 8, world_size=1, cluster="gpu", timeout_s=300)
     assert abs(r["peak"] - r["estimate"]) <= 0.1 * r["estimate"], r
+
+
+@pytest.mark.parametrize(
+    "options, moment",
+    [
+        ({"seq_len": 4096}, "backward"),  # activations outweigh the gradients
+        ({"seq_len": 512}, "optimizer"),  # the gradients outweigh the activations
+        ({"seq_len": 4096, "checkpointing": True}, "recomputation"),
+        ({"seq_len": 512, "checkpointing": True, "keep_grads": True}, "backward"),
+    ],
+)
+def test_an_estimate_says_when_its_step_peaks(options, moment):
+    """`peak_at` names the moment `peak` is taken at (labkit.memory.PEAK_MOMENTS), so a picture of what is
+    alive then needs no guess from the numbers; a measurement has none."""
+    from labkit.memory import PEAK_MOMENTS
+
+    b = estimate(model=GPTConfig.preset("llama2-7b"), dp=8, zero_stage=1, micro_batch=1, **options)
+    assert b.peak_at == moment and moment in PEAK_MOMENTS
+    if moment == "optimizer":
+        assert b.peak == b.params + b.optimizer + b.grads
+    if moment == "backward" and "checkpointing" not in options:
+        assert b.peak == b.params + b.optimizer + b.activations + b.other

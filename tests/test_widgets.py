@@ -101,7 +101,7 @@ def test_at_peak_follows_the_estimate_for_every_layout():
     ]:
         knobs = dict(dp=dp, tp=tp, pp=pp, zero_stage=zero, checkpointing=checkpointing)
         b = breakdown(config, micro_batches=micro_batches, **knobs)
-        p = at_peak(b, grads_kept=micro_batches > 1, checkpointing=checkpointing)
+        p = at_peak(b, grads_kept=micro_batches > 1)
         assert sum(v for _, v in p.alive) == b.peak, knobs
 
 
