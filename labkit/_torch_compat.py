@@ -40,6 +40,7 @@ __all__ = [
     "fake_tensor_mode",
     "graph_task_id",
     "in_backward",
+    "is_fake",
     "problems",
     "process_groups",
     "queue_backward_callback",
@@ -91,7 +92,12 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torch._subclasses.fake_tensor",
         "FakeTensorMode",
-        "measure.estimate_fake: run a step of a model too large to allocate",
+        "measure.estimate_fake and the simulated cluster: run a step of a model too large to allocate",
+    ),
+    Internal(
+        "torch._subclasses.fake_tensor",
+        "FakeTensor",
+        "emulate.process_group: a collective on tensors without storage moves no data (simulated cluster)",
     ),
     Internal(
         "torch.distributed._tools.mem_tracker",
@@ -226,6 +232,13 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+def is_fake(t: Any) -> bool:
+    """Is `t` a FakeTensor (shape and dtype, no storage)?"""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 # ------------------------------------------------------------------- MemTracker

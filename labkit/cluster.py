@@ -4,7 +4,10 @@
 `Cluster.resolve("auto" | "cpu" | "gpu" | Cluster, world_size)` is what `labkit.launch`
 uses to pick one, and it says which it picked. `Cluster.preset("dgx-a100-80gb", nodes=192)`
 describes a published machine nobody here has (`kind="described"`): `labkit.planner` plans for
-it, `launch` refuses it.
+it, `launch` refuses it. `Cluster.preset("dgx-h100").simulated()` (or `cluster="sim:dgx-h100"`) is
+that machine *simulated* (`kind="simulated"`): `launch` runs the ranks as CPU processes on tensors
+without storage, each operator timed on the described GPU (`labkit.op_time`), each collective by
+the preset's links, memory counted against the card's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from labkit import calibrate, gpu_links, validate
 from labkit.links import FLOP_PER_BYTE_INTER, FLOP_PER_BYTE_INTRA, Link, Topology, default_links
+from labkit.op_time import FP32_PEAK_TFLOPS, GpuSpec
 
 __all__ = ["GPU", "PRESETS", "Cluster"]
 
@@ -33,7 +37,8 @@ class GPU:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A set of ranks, their nodes and links: real GPUs (`kind="gpu"`) or emulated (`"emulated"`)."""
+    """A set of ranks, their nodes and links: real GPUs (`kind="gpu"`), emulated (`"emulated"`), a published
+    machine to plan for (`"described"`) or that machine simulated (`"simulated"`)."""
 
     kind: str
     nodes: int
@@ -48,11 +53,12 @@ class Cluster:
     torch_version: str = field(default_factory=lambda: torch.__version__)
     nccl_version: str | None = None
     reason: str = ""
-    clock: str = "virtual"  # emulated only: "virtual" (the rank's device clock) or "wall"
-    peak_tflops: float | None = None  # described only: dense 16-bit peak per GPU (datasheet)
-    gpu_name: str = ""  # described only
+    clock: str = "virtual"  # emulated: "virtual" (the rank's device clock) or "wall"; simulated: "simulated"
+    peak_tflops: float | None = None  # described and simulated: dense 16-bit peak per GPU (datasheet)
+    gpu_name: str = ""  # described and simulated
     sm_count: int | None = None  # described only: streaming multiprocessors per GPU (datasheet)
     memory_gb_s: float | None = None  # described only: HBM bandwidth per GPU, GB/s (datasheet)
+    preset_name: str = ""  # described and simulated: the PRESETS name it came from
 
     # -- construction ----------------------------------------------------------
 
@@ -117,7 +123,38 @@ class Cluster:
                 "intra_node=Link(...), inter_node=Link(...), memory_gib=..., peak_tflops=...)"
             )
         validate.positive_int("Cluster.preset nodes", nodes, f'Cluster.preset("{name}", nodes=2)')
-        return replace(PRESETS[name], nodes=nodes)
+        return replace(PRESETS[name], nodes=nodes, preset_name=name)
+
+    def simulated(self) -> Cluster:
+        """This described machine in simulated time: `launch` runs the lab's real program on its ranks, at GPU
+        size on tensors without storage (FakeTensor), each operator taking its time on the described GPU
+        (`labkit.op_time`), each collective its links' α-β time, memory counted against the card's.
+        Numerics are not computed there: the emulated cluster checks them at small size."""
+        if self.kind != "described":
+            raise ValueError(
+                f"only a described machine can be simulated, not a {self.kind!r} cluster; e.g. "
+                'Cluster.preset("dgx-h100").simulated(), or cluster="sim:dgx-h100"'
+            )
+        return replace(self, kind="simulated", clock="simulated", reason=f"simulated {self.gpu_name} node(s)")
+
+    def gpu_spec(self) -> GpuSpec:
+        """The described GPU as the per-operator time model reads it (`labkit.op_time.GpuSpec`)."""
+        if self.kind not in ("described", "simulated") or not (
+            self.peak_tflops and self.sm_count and self.memory_gb_s and self.memory_gib
+        ):
+            raise ValueError(
+                f"a {self.kind!r} cluster has no described GPU (peak_tflops, sm_count, memory_gb_s, "
+                'memory_gib); use a preset, e.g. Cluster.preset("dgx-h100")'
+            )
+        fp32 = next((v for k, v in FP32_PEAK_TFLOPS.items() if k in self.gpu_name.upper()), None)
+        if fp32 is None:
+            raise ValueError(
+                f"no fp32 peak known for {self.gpu_name!r} (known: {', '.join(FP32_PEAK_TFLOPS)}); "
+                "add it to labkit.op_time.FP32_PEAK_TFLOPS from the GPU's datasheet"
+            )
+        return GpuSpec(
+            self.gpu_name, self.peak_tflops, fp32, self.memory_gb_s, self.sm_count, self.memory_gib
+        )
 
     @classmethod
     def detect(cls) -> Cluster:
@@ -170,6 +207,8 @@ class Cluster:
                     f"gpus_per_node={min(cluster.gpus_per_node, 4)}), or cluster='gpu' on this machine's "
                     "GPUs."
                 )
+        elif isinstance(spec, str) and spec.startswith("sim:"):
+            cluster = _simulated_spec(spec)
         elif spec in ("cpu", "emulated"):
             cluster = replace(cls.emulated(gpus_per_node=world_size), reason="asked for the emulated cluster")
         elif spec in ("gpu", "auto"):
@@ -187,8 +226,9 @@ class Cluster:
                 cluster = replace(cls.emulated(gpus_per_node=world_size), reason=f"{why}: emulated cluster")
         else:
             raise ValueError(
-                f"cluster={spec!r} is not known; use 'auto', 'cpu' (emulated), 'gpu' "
-                "or a labkit.Cluster, e.g. Cluster.emulated(nodes=2, gpus_per_node=2)."
+                f"cluster={spec!r} is not known; use 'auto', 'cpu' (emulated), 'gpu', 'sim:dgx-h100' "
+                "(a simulated node; 'sim:dgx-a100-80gb:2' for two) or a labkit.Cluster, e.g. "
+                "Cluster.emulated(nodes=2, gpus_per_node=2)."
             )
         cluster.check_world_size(world_size)
         return cluster
@@ -197,7 +237,12 @@ class Cluster:
 
     @property
     def is_emulated(self) -> bool:
-        return self.kind == "emulated"
+        """Are the ranks CPU processes standing in for GPUs (emulated, or a simulated described machine)?"""
+        return self.kind in ("emulated", "simulated")
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.kind == "simulated"
 
     @property
     def gpu_count(self) -> int:
@@ -213,6 +258,8 @@ class Cluster:
         """Appended to every number measured (or, for a described cluster, predicted) on this cluster."""
         if self.kind == "described":
             return "predicted, on paper"
+        if self.kind == "simulated":
+            return f"simulated {self.gpu_name}"
         return "emulated" if self.is_emulated else "measured on GPU"
 
     def topology(self) -> Topology:
@@ -232,6 +279,12 @@ class Cluster:
                 f"world_size={world_size} is larger than the {self.gpu_count} GPU(s) present; "
                 f"use world_size<={self.gpu_count}, or cluster='cpu' for the emulated cluster."
             )
+        if self.kind == "simulated" and world_size > self.world_size:
+            raise ValueError(
+                f"world_size={world_size} is larger than the simulated {self.nodes} node(s) x "
+                f"{self.gpus_per_node} {self.gpu_name} = {self.world_size} GPUs; simulate more nodes, e.g. "
+                f"cluster='sim:{self.preset_name or '<preset>'}:{-(-world_size // self.gpus_per_node)}'."
+            )
         if self.kind == "emulated" and world_size > self.world_size:
             raise ValueError(
                 f"world_size={world_size} is larger than the emulated cluster's {self.nodes} node(s) x "
@@ -242,9 +295,11 @@ class Cluster:
     def describe(self) -> str:
         """A few lines for a notebook or `labkit doctor`."""
         lines = []
-        if self.kind == "described":
+        if self.kind in ("described", "simulated"):
             lines.append(
-                f"Described cluster (planning only): {self.nodes} node(s) x {self.gpus_per_node} "
+                ("Simulated cluster (each operator timed on the described GPU, no numerics): "
+                 if self.kind == "simulated" else "Described cluster (planning only): ")
+                + f"{self.nodes} node(s) x {self.gpus_per_node} "
                 f"{self.gpu_name}, {self.memory_gib:g} GiB and {self.peak_tflops:g} TFLOP/s (dense 16-bit) "
                 "each"
             )
@@ -338,6 +393,18 @@ PRESETS: dict[str, Cluster] = {
     "dgx-h100": _dgx("H100-SXM5-80GB", 80.0, 989.0, 132, 3350.0, _NVLINK4, _NDR),
     "dgx-h200": _dgx("H200-SXM-141GB", 141.0, 989.0, 132, 4800.0, _NVLINK4, _NDR),
 }
+
+
+def _simulated_spec(spec: str) -> Cluster:
+    """'sim:<preset>' or 'sim:<preset>:<nodes>' as a simulated cluster."""
+    _, _, rest = spec.partition(":")
+    name, _, nodes = rest.partition(":")
+    if name not in PRESETS or (nodes and not nodes.isdigit()) or nodes == "0":
+        raise ValueError(
+            f"cluster={spec!r} is not a simulated machine; use 'sim:<preset>' or 'sim:<preset>:<nodes>' with "
+            f"a preset among {', '.join(sorted(PRESETS))}, e.g. 'sim:dgx-h100' or 'sim:dgx-a100-80gb:2'"
+        )
+    return Cluster.preset(name, nodes=int(nodes or 1)).simulated()
 
 
 def _nvidia_smi_topo() -> str:

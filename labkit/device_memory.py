@@ -113,6 +113,11 @@ def memory_limit(
         finally:
             _set_cap(dev, None)
         return
+    simulated = emulate.active_budget()
+    if isinstance(simulated, emulate.SimulatedDevice):  # a simulated card: its limit, for a while
+        with simulated.limited(nbytes):
+            yield None
+        return
     with emulate.MemoryBudget(nbytes, rank=rank) as budget:
         yield budget
 
@@ -155,7 +160,10 @@ def _source() -> str | None:
     """What measures memory on this rank now (None: nothing)."""
     if runtime.on_gpu():
         return "torch.cuda.max_memory_allocated, net of the warm baseline"
-    return "emulated budget" if emulate.active_budget() is not None else None
+    budget = emulate.active_budget()
+    if isinstance(budget, emulate.SimulatedDevice):
+        return budget.source
+    return "emulated budget" if budget is not None else None
 
 
 def peak_bytes() -> tuple[int, str] | None:

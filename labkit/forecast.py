@@ -50,6 +50,7 @@ import torch
 from labkit.cluster import Cluster
 from labkit.links import Link, bus_bandwidth_factor, collective_time_s
 from labkit.models import GPT, GPTConfig
+from labkit.op_time import FP32_PEAK_TFLOPS  # the labs train in fp32 with TF32 off: this rate
 from labkit.pipeline_plan import (
     balance,
     choose_micro_batches,
@@ -81,9 +82,6 @@ __all__ = [
 
 TARGET_RATIO = 0.8  # after / before at most: the fix moves the number
 TARGET_TO_LIMIT = 1.25  # after / limit at most: near the lab's limit (its ideal for the same work)
-# Dense FP32 (not tensor-core) peak per GPU, TFLOP/s, from NVIDIA's datasheets: the labs train in fp32 with
-# TF32 off (PyTorch's default for matmuls), so their matmuls run at this rate, not at the 16-bit peak.
-FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5}
 # HBM bandwidth reached by the memory-bound kernels (softmax, the embedding's gradient): below an H100 SXM's
 # 3.35 TB/s and an H200's 4.8 TB/s datasheet figures, an assumption
 HBM_BYTES_PER_S = 3.0e12

@@ -41,6 +41,7 @@ from labkit.layout import Layout
 from labkit.links import Link, collective_time_s
 from labkit.memory import MemoryBreakdown, blocks_per_stage, check_model_parallel, estimate, stage_params
 from labkit.models import GPTConfig
+from labkit.op_time import DISPATCH_S  # the host's floor per operator; its home is the op time model
 
 __all__ = [
     "DISPATCH_S",
@@ -58,10 +59,7 @@ __all__ = [
 _GIB = 2**30
 
 
-# Eager PyTorch spends some 10-20 us of host time per operator (dispatch and launch); a GPT block's forward
-# and backward run about 30 of them. On a GPU a step is never faster than the host can issue it: a small
-# layer is launch-bound, and splitting it over tp ranks does not make it faster.
-DISPATCH_S = 15e-6
+# A GPT block's forward and backward run about 30 operators, each at least DISPATCH_S on a GPU.
 KERNELS_PER_BLOCK = 30
 # DDP's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel): the last bucket's all-reduce is
 # what stays exposed after backward even when everything else hides under it.

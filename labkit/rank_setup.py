@@ -38,7 +38,7 @@ def init_launched_rank(
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cluster.is_emulated:
-        virtual = cluster.clock == "virtual"
+        virtual = cluster.clock in ("virtual", "simulated")
         torch.set_num_threads(1 if virtual else max(1, (os.cpu_count() or 1) // world_size))
         if virtual:
             runtime.pin_to_one_core(rank)

@@ -45,9 +45,10 @@ def _cluster(raw: str | None) -> Cluster | None:
 
 
 def on_virtual_clock() -> bool:
-    """Is this rank timed on its virtual device clock (an emulated cluster with clock="virtual")?"""
+    """Is this rank timed on its virtual device clock (an emulated cluster with clock="virtual", or a
+    simulated machine, whose clock's compute is each operator's modelled time)?"""
     cluster = current_cluster()
-    return cluster is not None and cluster.is_emulated and cluster.clock == "virtual"
+    return cluster is not None and cluster.is_emulated and cluster.clock in ("virtual", "simulated")
 
 
 def on_gpu() -> bool:

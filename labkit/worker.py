@@ -117,6 +117,19 @@ def _rank_env(
     }
 
 
+def _rank_device(cluster: Cluster, rank: int) -> contextlib.AbstractContextManager:
+    """What stands in for the rank's GPU around its function: the simulated card (tensors without storage,
+    each operator timed on the described GPU, its memory), an emulated memory budget, or nothing."""
+    if cluster.is_simulated:
+        stack = contextlib.ExitStack()
+        stack.enter_context(compat.fake_tensor_mode())
+        stack.enter_context(emulate.SimulatedDevice(cluster.gpu_spec(), emulate.rank_clock(), rank=rank))
+        return stack
+    if cluster.is_emulated and cluster.memory_gib:
+        return emulate.MemoryBudget(int(cluster.memory_gib * 2**30), rank=rank)
+    return contextlib.nullcontext()
+
+
 def _leave_together(store: dist.Store | None, rank: int, world_size: int, timeout_s: float) -> None:
     """Wait until every rank has returned from fn, then leave.
 
@@ -175,12 +188,7 @@ def main(
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         rank_setup.init_launched_rank(cluster, rank, world_size, store, timeout)
         fn, args, kwargs = cloudpickle.loads(payload)
-        budget = cluster.is_emulated and cluster.memory_gib
-        with (
-            emulate.MemoryBudget(int(cluster.memory_gib * 2**30), rank=rank)
-            if budget
-            else contextlib.nullcontext()
-        ):
+        with _rank_device(cluster, rank):
             result = fn(*args, **kwargs)
         _write_atomic(out / f"rank{rank}.result", cloudpickle.dumps({"ok": True, "value": to_cpu(result)}))
         status = 0

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORMULAS = [
     "memory",
     "gemm",
+    "op_time",
     "activations",
     "links",
     "batch",

@@ -6,17 +6,18 @@
 * `clock.py`: `VirtualClock`, the time a rank's emulated GPU would show (main-thread CPU
   time plus time spent waiting), one per rank process;
 * `timing.py`: when a collective completes, on the virtual clock (default) or the wall clock;
-* `budget.py`: `MemoryBudget`, a per-rank memory limit that raises a CUDA-like OOM.
+* `budget.py`: `MemoryBudget`, a per-rank memory limit that raises a CUDA-like OOM;
+* `simulated_device.py`: `SimulatedDevice`, a simulated machine's GPU: each operator on tensors
+  without storage timed on the described GPU (`labkit.op_time`), memory held to the card's.
 
 `labkit.rank_setup` sets these up on each rank; `labkit.launch` reads the records.
 """
 
 from labkit.emulate.allocator import CachingAllocator
 from labkit.emulate.budget import MemoryBudget, active_budget
-from labkit.emulate.clock import VirtualClock, rank_clock
+from labkit.emulate.clock import CLOCK_ENV, VirtualClock, rank_clock
 from labkit.emulate.process_group import (
     BACKEND_NAME,
-    CLOCK_ENV,
     RECORD_DIR_ENV,
     TOPOLOGY_ENV,
     EmulatedProcessGroup,
@@ -27,6 +28,7 @@ from labkit.emulate.process_group import (
     wait_at_end_of_backward,
 )
 from labkit.emulate.record import CollectiveRecord, diagnose_hang, read_collective_records
+from labkit.emulate.simulated_device import OpTimes, SimulatedDevice, active_simulated_device
 
 __all__ = [
     "BACKEND_NAME",
@@ -37,8 +39,11 @@ __all__ = [
     "CollectiveRecord",
     "EmulatedProcessGroup",
     "MemoryBudget",
+    "OpTimes",
+    "SimulatedDevice",
     "VirtualClock",
     "active_budget",
+    "active_simulated_device",
     "close_groups",
     "diagnose_hang",
     "rank_clock",

@@ -21,6 +21,7 @@ import torch
 from labkit import _torch_compat as compat
 from labkit import validate
 from labkit.emulate.allocator import CachingAllocator
+from labkit.emulate.simulated_device import SimulatedDevice
 
 __all__ = ["MemoryBudget", "active_budget"]
 
@@ -182,9 +183,11 @@ class MemoryBudget(compat.TorchDispatchMode):
         return out
 
 
-def active_budget() -> MemoryBudget | None:
-    """The innermost MemoryBudget active on this thread, if any."""
+def active_budget() -> MemoryBudget | SimulatedDevice | None:
+    """The innermost memory budget active on this thread, if any: a MemoryBudget, or on a simulated machine
+    the SimulatedDevice that holds tensors to the described card (both have `allocated`, `peak`,
+    `reset_peak`, `track`)."""
     for mode in reversed(compat.dispatch_mode_stack()):
-        if isinstance(mode, MemoryBudget):
+        if isinstance(mode, (MemoryBudget, SimulatedDevice)):
             return mode
     return None

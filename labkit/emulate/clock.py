@@ -15,6 +15,10 @@ measure its compute bursts, simulate the network. Here:
   and the α-β model of `labkit.links`. Blocking in wall time while waiting is free: a rank
   blocked 307 ms in a gloo all-reduce spent 0.33 ms of main-thread CPU (DESIGN.md).
 
+On a simulated machine (`Cluster.simulated()`, `$LABKIT_CLOCK` "simulated") compute is not CPU time but
+the modelled time of each operator on the described GPU, which `simulated_device.SimulatedDevice` adds
+with `spend`; waiting is the same.
+
 There is one clock per rank process, as there is one GPU per rank: `rank_clock()`.
 What it does not model: NCCL kernels competing with compute for SMs, the host launch
 queue, and contention between groups that share a link.
@@ -29,13 +33,19 @@ import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["VirtualClock", "rank_clock"]
+__all__ = ["CLOCK_ENV", "VirtualClock", "rank_clock"]
+
+CLOCK_ENV = "LABKIT_CLOCK"  # "virtual" (default), "wall" or "simulated"
 
 
 class VirtualClock:
-    """Seconds of emulated-GPU time on this rank since the clock was made."""
+    """Seconds of emulated-GPU time on this rank since the clock was made.
 
-    def __init__(self, thread_id: int | None = None) -> None:
+    `modelled`: compute is what `spend` adds (a simulated GPU's operator times), not CPU time."""
+
+    def __init__(self, thread_id: int | None = None, modelled: bool = False) -> None:
+        self.modelled = modelled
+        self._modelled_ns = 0
         tid = thread_id if thread_id is not None else threading.main_thread().ident
         self._cpu_clock = time.pthread_getcpuclockid(tid)
         self._cpu0 = time.clock_gettime_ns(self._cpu_clock)
@@ -51,7 +61,16 @@ class VirtualClock:
         self.phases: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=100_000)
 
     def _cpu_ns(self) -> int:
+        if self.modelled:
+            return self._modelled_ns
         return time.clock_gettime_ns(self._cpu_clock) - self._cpu0
+
+    def spend(self, seconds: float) -> None:
+        """Compute for `seconds` of modelled device time (a simulated operator); modelled clocks only."""
+        if not self.modelled:
+            raise RuntimeError("spend() is for a modelled clock (a simulated GPU); this one counts CPU time")
+        with self._lock:
+            self._modelled_ns += round(seconds * 1e9)
 
     def now(self) -> float:
         """This rank's virtual time in seconds (callable from any thread)."""
@@ -102,5 +121,5 @@ def rank_clock() -> VirtualClock:
     """The virtual clock of the rank in this process (made on first use, e.g. by its process group)."""
     pid = os.getpid()
     if pid not in _CLOCKS:
-        _CLOCKS[pid] = VirtualClock()
+        _CLOCKS[pid] = VirtualClock(modelled=os.environ.get(CLOCK_ENV) == "simulated")
     return _CLOCKS[pid]

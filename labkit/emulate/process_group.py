@@ -2,10 +2,12 @@
 
 `EmulatedProcessGroup` wraps a real `ProcessGroupGloo`. Every collective does the real gloo
 transfer (numerics stay real) and its work completes no earlier than the α-β model of
-`labkit.links` says it would on a GPU node. Asynchronous collectives complete on a
-background thread, so overlap with compute is real overlap. The group is registered as the
-torch.distributed backend "labkit_emulated"; `labkit.runtime` initialises it on each rank
-of an emulated cluster. Its collective record is `record.py`, the memory budget `budget.py`.
+`labkit.links` says it would on a GPU node. On a simulated machine (`Cluster.simulated()`) a
+collective on FakeTensors moves no data (there is none) and takes the same modelled time; real
+tensors still move. Asynchronous collectives complete on a background thread, so overlap with
+compute is real overlap. The group is registered as the torch.distributed backend
+"labkit_emulated"; `labkit.runtime` initialises it on each rank of an emulated cluster. Its
+collective record is `record.py`, the memory budget `budget.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import _torch_compat as compat
-from labkit.emulate.clock import rank_clock
+from labkit.emulate.clock import CLOCK_ENV, rank_clock
 from labkit.emulate.record import CollectiveRecord
 from labkit.emulate.timing import VirtualTiming, WallTiming, called_by_ddp_reducer, caller_frame
 from labkit.links import Link, Topology, collective_time_s
@@ -40,7 +42,6 @@ __all__ = [
 BACKEND_NAME = "labkit_emulated"
 TOPOLOGY_ENV = "LABKIT_TOPOLOGY"
 RECORD_DIR_ENV = "LABKIT_RECORD_DIR"
-CLOCK_ENV = "LABKIT_CLOCK"  # "virtual" (default) or "wall"
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -165,7 +166,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             seconds = collective_time_s(op, nbytes, n, link)
             self.modelled_s += seconds
             token = self.timing.issue(op, seconds, peer, f"{op} #{seq}", nbytes)
-            inner_work = start()
+            data = tensors if result is None else [*tensors, *result]
+            inner_work = _NoTransfer() if any(compat.is_fake(t) for t in data) else start()
             work = _ModelledWork(torch.futures.Future(), self.timing if virtual else None)
             self._pending.put((inner_work, token, work, seq, tensors if result is None else result))
             if virtual and op == "all_reduce" and called_by_ddp_reducer(caller_frame(2)):
@@ -355,6 +357,13 @@ class _ModelledWork(dist.Work):
         return self._fut
 
 
+class _NoTransfer:
+    """The transfer of a collective on tensors without storage: nothing to move, done at once."""
+
+    def wait(self) -> bool:
+        return True
+
+
 class _AllWork:
     """Waits for several gloo works, for the coalesced collectives."""
 
@@ -378,7 +387,7 @@ def _create_emulated_pg(opts, backend_options) -> EmulatedProcessGroup:
         path = os.path.join(record_dir, f"record{opts.group_rank}.json")  # the world group only
     timing = (
         VirtualTiming(opts.store, opts.group_rank, opts.group_size, rank_clock())
-        if os.environ.get(CLOCK_ENV, "virtual") == "virtual"
+        if os.environ.get(CLOCK_ENV, "virtual") in ("virtual", "simulated")
         else WallTiming()
     )
     pg = EmulatedProcessGroup(

@@ -1,0 +1,224 @@
+"""The simulated GPU of a rank: every operator takes its time on a described GPU, memory is the card's.
+
+`SimulatedDevice` is a TorchDispatchMode that sits above a FakeTensorMode: the rank's real PyTorch program
+runs at GPU size on tensors with shapes and dtypes but no storage, so a 7B-wide layer costs no CPU time, and
+each operator it dispatches:
+
+* advances the rank's modelled clock (`clock.VirtualClock(modelled=True).spend`) by its time on the
+  described GPU, `labkit.op_time.op_s`: a matmul (`mm`, `addmm`, `bmm`, `baddbmm`) by its shape, an attention
+  kernel by its FLOPs (`op_time.attention_flops`), any other operator with a FLOP formula in torch's own
+  counter (`torch.utils.flop_counter.flop_registry`, e.g. convolutions) by its FLOPs, and every operator by
+  the bytes of its inputs and outputs, each at least the host's dispatch. Views and metadata (a `view`, a
+  `transpose`, `detach`) launch no kernel and cost nothing;
+* counts the bytes of every new storage until it is freed, and raises `torch.OutOfMemoryError` past the
+  card's memory, shaped like the CUDA allocator's message (tensor bytes only: no allocator rounding,
+  fragmentation or CUDA context, which the message says).
+
+What it cannot show: numerics (values are not computed: the emulated cluster checks gradients at small
+size), kernels competing for SMs, cache effects, and an allocator's rounding. Every number made with it is
+labelled "simulated <GPU>" (`Cluster.label`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from labkit import _torch_compat as compat
+from labkit import op_time
+from labkit.emulate.clock import VirtualClock
+from labkit.op_time import GpuSpec
+
+__all__ = ["OpTimes", "SimulatedDevice", "active_simulated_device"]
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm: "mm", _aten.addmm: "addmm", _aten.bmm: "bmm", _aten.baddbmm: "baddbmm"}
+# Fused attention: (forward or backward, the position of is_causal among the arguments). The CPU kernel
+# is what runs here; the CUDA ones are what runs on the described GPU (their FLOPs are the same).
+_ATTENTION = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: ("forward", 4),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: ("backward", 7),
+    _aten._scaled_dot_product_flash_attention: ("forward", 4),
+    _aten._scaled_dot_product_flash_attention_backward: ("backward", 8),
+}
+# No kernel on a GPU: a tensor that is the same storage, or memory handed out by the caching allocator
+# without being written (the allocation is counted, its time is not).
+_FREE = {
+    _aten.detach, _aten.lift_fresh, _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided
+}
+
+
+def _fmt(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [t for t in compat.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class OpTimes:
+    """What a simulated device spent its modelled time on: seconds and operator counts per kind
+    ("matmul", "attention", "other" (memory-bound or counted FLOPs), "dispatch" (operators held to the host's
+    floor))."""
+
+    seconds: Counter = field(default_factory=Counter)
+    ops: Counter = field(default_factory=Counter)
+    flops: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+class SimulatedDevice(compat.TorchDispatchMode):
+    """Time each operator on `gpu` (onto `clock` when given) and hold live storage bytes to the card.
+
+    Enter it inside a FakeTensorMode. `limit_bytes` defaults to the card's memory; `rank` and `label` go
+    into the OOM message. `times` says where the modelled time went; `allocated` and `peak` are bytes.
+    """
+
+    def __init__(
+        self,
+        gpu: GpuSpec,
+        clock: VirtualClock | None = None,
+        *,
+        limit_bytes: int | None = None,
+        rank: int = 0,
+    ) -> None:
+        super().__init__()
+        if clock is not None and not clock.modelled:
+            raise ValueError("SimulatedDevice needs a modelled clock: VirtualClock(modelled=True)")
+        self.gpu = gpu
+        self.clock = clock
+        self.limit_bytes = int(limit_bytes if limit_bytes is not None else gpu.memory_gib * 2**30)
+        self.rank = rank
+        self.times = OpTimes()
+        self.allocated = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}  # id of a live storage -> its bytes
+
+    # -- time ------------------------------------------------------------------------------
+
+    def op_seconds(self, func, args, kwargs, out) -> tuple[str, float, float]:
+        """(kind, seconds, FLOPs) of one operator on the described GPU."""
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        nbytes = _nbytes(ins) + _nbytes(outs)
+        # The operands' precision picks the peak: the first floating input (a matmul's A, attention's q or
+        # its output's gradient), not a float32 side input such as attention's logsumexp.
+        elem = next((t.element_size() for t in ins if t.is_floating_point()), 4)
+        packet = func.overloadpacket
+        if packet in _MATMULS:
+            a, b = (args[0], args[1]) if packet in (_aten.mm, _aten.bmm) else (args[1], args[2])
+            batch = a.shape[0] if a.dim() == 3 else 1
+            m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+            seconds = op_time.op_s(self.gpu, nbytes=nbytes, matmul=(batch, m, n, k), element_bytes=elem)
+            return "matmul", seconds, 2.0 * batch * m * n * k
+        if packet in _ATTENTION:
+            direction, causal_at = _ATTENTION[packet]
+            q = args[1] if direction == "backward" else args[0]
+            k = args[2] if direction == "backward" else args[1]
+            causal = bool(args[causal_at]) if len(args) > causal_at else bool(kwargs.get("is_causal", False))
+            b, h, s_q, d = q.shape
+            flops = op_time.attention_flops(b, h, s_q, k.shape[-2], d, causal)
+            flops *= 2.5 if direction == "backward" else 1.0
+            seconds = op_time.op_s(
+                self.gpu, nbytes=nbytes, flops=flops, attention=direction, element_bytes=elem
+            )
+            return "attention", seconds, flops
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
+        seconds = op_time.op_s(self.gpu, nbytes=nbytes, flops=flops, element_bytes=elem)
+        return ("dispatch" if seconds == self.gpu.dispatch_s else "other"), seconds, flops
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, size = id(storage), storage.nbytes()
+        if key in self._live or size == 0:
+            return
+        if self.allocated + size > self.limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"{self.gpu.name} out of memory (simulated). Tried to allocate {_fmt(size)}. "
+                f"Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of which "
+                f"{_fmt(self.limit_bytes - self.allocated)} is free. {_fmt(self.allocated)} is allocated by "
+                "live tensors (tensor bytes only: no allocator rounding, fragmentation or CUDA context). "
+                "Reduce the micro-batch, accumulate gradients, use bf16 or activation checkpointing; see "
+                "labkit.memory.estimate."
+            )
+        self._live[key] = size
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+        weakref.finalize(storage, self._release, key, size)
+
+    def _release(self, key: int, size: int) -> None:
+        if self._live.pop(key, None) is not None:
+            self.allocated -= size
+
+    def track(self, *objs: object) -> None:
+        """Count tensors, modules (parameters and buffers) or optimizers made before the device."""
+        for obj in objs:
+            if isinstance(obj, torch.nn.Module):
+                tensors = [*obj.parameters(), *obj.buffers()]
+            elif isinstance(obj, torch.optim.Optimizer):
+                tensors = [v for state in obj.state.values() for v in state.values()]
+            else:
+                tensors = [obj]
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    self._count(t)
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+    @property
+    def source(self) -> str:
+        """What measures memory here, for a StepPeak."""
+        return f"simulated {self.gpu.name} (tensor bytes)"
+
+    @contextlib.contextmanager
+    def limited(self, nbytes: int) -> Iterator[SimulatedDevice]:
+        """Inside, `nbytes` beyond what is allocated now (`labkit.device_memory.memory_limit`)."""
+        saved, self.limit_bytes = self.limit_bytes, min(self.limit_bytes, self.allocated + int(nbytes))
+        try:
+            yield self
+        finally:
+            self.limit_bytes = saved
+
+    # -- the mode --------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func.overloadpacket in _FREE or func.namespace == "prim":
+            return out
+        for t in _tensors(out):
+            self._count(t)
+        kind, seconds, flops = self.op_seconds(func, args, kwargs, out)
+        self.times.seconds[kind] += seconds
+        self.times.ops[kind] += 1
+        self.times.flops += flops
+        if self.clock is not None:
+            self.clock.spend(seconds)
+        return out
+
+
+def active_simulated_device() -> SimulatedDevice | None:
+    """The innermost SimulatedDevice active on this thread, if any."""
+    for mode in reversed(compat.dispatch_mode_stack()):
+        if isinstance(mode, SimulatedDevice):
+            return mode
+    return None
