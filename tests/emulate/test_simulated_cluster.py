@@ -1,0 +1,90 @@
+"""A simulated machine end to end: `launch` on cluster="sim:<preset>" runs real ranks on FakeTensors, each
+collective taking the preset's α-β time and each operator its modelled time on the described GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit import timer
+from labkit.bandwidth import bandwidth_test
+from labkit.cluster import Cluster
+from labkit.links import collective_time_s
+from labkit.op_time import op_s
+
+
+def _all_reduce(nbytes: int) -> tuple[float, str, str]:
+    t = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    dist.all_reduce(t)  # the first one: every rank has issued it
+    start = timer.clock()
+    dist.all_reduce(t)
+    return timer.clock() - start, type(t).__name__, labkit.runtime.current_cluster().label
+
+
+def test_a_simulated_all_reduce_takes_the_links_alpha_beta_time_and_moves_no_data():
+    node = Cluster.resolve("sim:dgx-h100", 8)
+    results = labkit.launch(_all_reduce, 2**30, world_size=8, cluster=node)
+    expected = collective_time_s("all_reduce", 2**30, 8, node.intra_node)  # NVLink 4, 450 GB/s
+    for seconds, kind, label in results:
+        assert seconds == pytest.approx(expected, abs=2e-9)  # the clock counts whole nanoseconds
+        assert kind == "FakeTensor" and label == "simulated H100-SXM5-80GB"
+
+
+def test_across_two_simulated_nodes_the_slowest_link_sets_the_time():
+    two = Cluster.resolve("sim:dgx-a100-80gb:2", 16)
+    results = labkit.launch(_all_reduce, 2**28, world_size=16, cluster=two)
+    expected = collective_time_s("all_reduce", 2**28, 16, two.inter_node)  # InfiniBand HDR, 25 GB/s
+    assert {round(r[0], 9) for r in results} == {round(expected, 9)}
+
+
+def _late_peer(n: int) -> float:
+    """Rank 1 multiplies two n x n bf16 matrices before the all-reduce; rank 0 waits for it."""
+    a = torch.empty(n, n, dtype=torch.bfloat16)
+    dist.barrier()
+    start = timer.clock()
+    if dist.get_rank() == 1:
+        a @ a
+    dist.all_reduce(a)
+    return timer.clock() - start
+
+
+def test_a_rank_waits_in_simulated_time_for_a_peers_modelled_matmul():
+    node = Cluster.resolve("sim:dgx-h100", 2)
+    n = 8192
+    waited, computed = labkit.launch(_late_peer, n, world_size=2, cluster=node)
+    gpu = node.gpu_spec()
+    matmul = op_s(gpu, nbytes=3 * n * n * 2, matmul=(1, n, n, n))
+    link = collective_time_s("all_reduce", n * n * 2, 2, node.intra_node)
+    assert computed == pytest.approx(matmul + link, abs=5e-9)
+    assert waited == pytest.approx(computed, abs=5e-9)  # rank 0 idles until rank 1 issues
+
+
+def _sweep(sizes: list[int]) -> list[dict]:
+    return bandwidth_test(sizes, iters=3, warmup=1, dtype=torch.bfloat16)
+
+
+def test_the_simulated_bandwidth_sweep_follows_the_alpha_beta_model_exactly():
+    node = Cluster.resolve("sim:dgx-h100", 8)
+    sizes = [2**10, 2**20, 2**26, 2**30]
+    rows = labkit.launch(_sweep, sizes, world_size=8, cluster=node)[0]
+    for row in rows:
+        modelled = collective_time_s("all_reduce", row["size_bytes"], 8, node.intra_node)
+        assert row["time_ms"] == pytest.approx(modelled * 1e3, rel=1e-6)
+    # towards the link: 1 GiB's bus bandwidth 442.6 GB/s, NVLink 4's 450 less the ring's 14 steps of 5 us
+    # latency (70 us of 4.24 ms); 1 KiB's far below it
+    assert rows[-1]["busbw_GBps"] == pytest.approx(450 * (1 - 70e-6 / (rows[-1]["time_ms"] / 1e3)), rel=1e-6)
+    assert rows[0]["busbw_GBps"] < 1
+
+
+def test_simulated_machines_are_named_and_checked():
+    with pytest.raises(ValueError, match="sim:<preset>"):
+        Cluster.resolve("sim:dgx-h1000", 2)
+    with pytest.raises(ValueError, match="sim:dgx-h100:2"):
+        Cluster.resolve("sim:dgx-h100", 9)
+    with pytest.raises(ValueError, match="only a described machine"):
+        Cluster.emulated(gpus_per_node=2).simulated()
+    node = Cluster.resolve("sim:dgx-h200", 8)
+    assert node.is_simulated and node.is_emulated and node.clock == "simulated"
+    assert node.describe().startswith("Simulated cluster")

@@ -1,0 +1,114 @@
+"""The simulated GPU (labkit.emulate.SimulatedDevice): each operator on FakeTensors timed on a described GPU,
+memory held to the card. In one process, no ranks: the launch-level tests are test_simulated_cluster.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import _torch_compat as compat
+from labkit import op_time
+from labkit.cluster import Cluster
+from labkit.emulate import SimulatedDevice, VirtualClock, active_budget
+from labkit.memory import estimate
+from labkit.models import GPT, GPTConfig
+from labkit.planner import forward_flops_per_token
+
+H100 = Cluster.preset("dgx-h100").gpu_spec()
+
+
+def _bf16_gpt(config: GPTConfig) -> GPT:
+    """A GPT built in bf16 (FakeTensor parameters cannot be cast in place)."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return GPT(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_matmul_advances_the_clock_by_its_modelled_time_and_a_view_by_nothing():
+    clock = VirtualClock(modelled=True)
+    with compat.fake_tensor_mode():
+        a = torch.empty(8192, 4096, dtype=torch.bfloat16)
+        b = torch.empty(4096, 8192, dtype=torch.bfloat16)
+        with SimulatedDevice(H100, clock) as dev:
+            c = a @ b
+            after_mm = clock.now()
+            c.t()
+            c.view(-1)
+            torch.empty(1024, 1024)
+    nbytes = 2 * (8192 * 4096 * 2 + 8192 * 8192)
+    expected = op_time.op_s(H100, nbytes=nbytes, matmul=(1, 8192, 8192, 4096))
+    assert after_mm == pytest.approx(expected, abs=1e-9)
+    assert clock.now() == after_mm  # a transpose, a view and an allocation launch no kernel
+    assert dev.times.ops["matmul"] == 1 and dev.times.flops == 2 * 8192 * 8192 * 4096
+    assert isinstance(c, torch.Tensor) and c.shape == (8192, 8192)
+
+
+def test_a_gpt_step_at_gpu_size_counts_the_planners_flops():
+    """Every linear layer of a 4-layer, 4096-wide GPT at 2048 tokens, forward and backward: the matmul FLOPs
+    the simulated device counts are three times the planner's forward FLOPs (backward is twice the forward),
+    and attention's are its forward's 3.5 times (backward 2.5x), causal halved."""
+    cfg = GPTConfig(n_layers=4, d_model=4096, n_heads=32, vocab_size=50304, seq_len=2048)
+    tokens, s, d = 2048, 2048, 4096
+    clock = VirtualClock(modelled=True)
+    with compat.fake_tensor_mode():
+        model = _bf16_gpt(cfg)
+        x = torch.zeros(1, s, dtype=torch.long)
+        with SimulatedDevice(H100, clock) as dev:
+            dev.track(model)
+            model(x, x).backward()
+    block, head = forward_flops_per_token(cfg)
+    attention_fwd = 4.0 * s * d / 2  # per token per block, causal
+    matmuls = 3 * tokens * (cfg.n_layers * (block - 4.0 * s * d) + head)
+    attention = 3.5 * tokens * cfg.n_layers * attention_fwd
+    assert dev.times.flops == pytest.approx(matmuls + attention, rel=1e-6)
+    assert dev.times.ops["attention"] == 2 * cfg.n_layers
+    assert clock.now() == pytest.approx(dev.times.total_s, rel=1e-6)
+    # the matmuls near the measured 80 % of the peak, the step at most that fast
+    achieved = dev.times.flops / dev.times.total_s
+    assert 0.5 * 989e12 < achieved < 0.8 * 989e12
+
+
+def test_an_oom_happens_where_the_memory_estimate_says_the_card_runs_out():
+    """A 1.3B GPT in fp32 with Adam on an 80 GiB H100: labkit.memory.estimate says micro-batch 8 peaks at
+    73.4 GiB and 9 at 80.5 GiB; the simulated card fits 8 and runs out at 9."""
+    cfg = GPTConfig(n_layers=24, d_model=2048, n_heads=16, vocab_size=50304, seq_len=2048)
+    card = H100.memory_gib * 2**30
+    fits = estimate(model=cfg, precision="fp32", micro_batch=8)
+    over = estimate(model=cfg, precision="fp32", micro_batch=9)
+    assert fits.peak < card < over.peak
+
+    def step(micro_batch: int) -> SimulatedDevice:
+        with compat.fake_tensor_mode(), SimulatedDevice(H100, rank=3) as dev:
+            model = GPT(cfg)
+            opt = torch.optim.Adam(model.parameters())
+            x = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
+            for _ in range(2):  # the second step holds Adam's states
+                model(x, x).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return dev
+
+    assert step(8).peak == pytest.approx(fits.peak, rel=0.01)
+    with pytest.raises(torch.OutOfMemoryError, match=r"H100-SXM5-80GB out of memory \(simulated\).*Rank 3"):
+        step(9)
+
+
+def test_the_device_is_the_ranks_memory_budget_and_a_limit_narrows_it():
+    with compat.fake_tensor_mode(), SimulatedDevice(H100) as dev:
+        assert active_budget() is dev
+        kept = torch.zeros(256, 2**20, dtype=torch.bfloat16)  # 512 MiB
+        with dev.limited(100 * 2**20), pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 128"):
+            torch.zeros(64, 2**20, dtype=torch.bfloat16)  # 128 MiB over a 100 MiB limit
+        assert dev.limit_bytes == 80 * 2**30
+        assert dev.allocated == kept.numel() * 2
+        del kept
+        assert dev.allocated == 0 and dev.peak == 512 * 2**20
+
+
+def test_a_simulated_device_needs_a_modelled_clock():
+    with pytest.raises(ValueError, match="modelled clock"):
+        SimulatedDevice(H100, VirtualClock())
+    with pytest.raises(RuntimeError, match="modelled clock"):
+        VirtualClock().spend(1.0)
