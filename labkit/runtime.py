@@ -24,6 +24,7 @@ __all__ = [
     "current_cluster",
     "device",
     "on_gpu",
+    "on_simulated",
     "on_virtual_clock",
     "pin_to_one_core",
     "share_one_core",
@@ -49,6 +50,12 @@ def on_virtual_clock() -> bool:
     simulated machine, whose clock's compute is each operator's modelled time)?"""
     cluster = current_cluster()
     return cluster is not None and cluster.is_emulated and cluster.clock in ("virtual", "simulated")
+
+
+def on_simulated() -> bool:
+    """Is this rank on a simulated machine (`Cluster.simulated()`: FakeTensors, modelled operator times)?"""
+    cluster = current_cluster()
+    return cluster is not None and cluster.is_simulated
 
 
 def on_gpu() -> bool:

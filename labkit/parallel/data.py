@@ -369,6 +369,15 @@ def make_ddp(
     views.
     """
     validate.positive_number("bucket_cap_mb", bucket_cap_mb, "25 (MiB, DDP's default)")
+    if runtime.on_simulated():
+        raise RuntimeError(
+            "torch's DistributedDataParallel cannot run on a simulated machine: its C++ constructor and "
+            "reducer read the parameters' storage (the broadcast from rank 0, the gradient buckets), and "
+            "FakeTensors have none (torch says 'its data is not allocated yet'). Use labkit's Python "
+            "equivalent there: "
+            f"OverlappedDDP(module, bucket_cap_mb={bucket_cap_mb:g}) (TrainingJob(grad_sync='overlapped')), "
+            "which buckets the gradients and all-reduces them from gradient hooks, as DDP does."
+        )
     dev = runtime.device()
     return DistributedDataParallel(
         module,

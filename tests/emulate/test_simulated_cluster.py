@@ -88,3 +88,31 @@ def test_simulated_machines_are_named_and_checked():
     node = Cluster.resolve("sim:dgx-h200", 8)
     assert node.is_simulated and node.is_emulated and node.clock == "simulated"
     assert node.describe().startswith("Simulated cluster")
+
+
+def _data_parallel_step() -> tuple[str, float, float]:
+    from labkit.models import GPT, GPTConfig
+    from labkit.parallel.data import OverlappedDDP, make_ddp
+
+    try:
+        make_ddp(torch.nn.Linear(4, 4))
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    config = GPTConfig(n_layers=4, d_model=2048, n_heads=16, vocab_size=50304, seq_len=2048)
+    model = OverlappedDDP(GPT(config))
+    x = torch.zeros(1, 2048, dtype=torch.long)
+    dist.barrier()
+    start, waited = timer.clock(), timer.waited()
+    model(x, x).backward()
+    model.finish_gradient_synchronization()
+    return refused, timer.clock() - start, timer.waited() - waited
+
+
+def test_torch_ddp_is_refused_with_the_python_equivalent_and_overlapped_ddp_runs():
+    """DDP's C++ constructor reads parameter storage, which FakeTensors lack: make_ddp says so and names
+    OverlappedDDP, which runs there, its bucketed all-reduces mostly under the backward pass."""
+    results = labkit.launch(_data_parallel_step, world_size=4, cluster="sim:dgx-h100")
+    for refused, step_s, waited_s in results:
+        assert "cannot run on a simulated machine" in refused and "OverlappedDDP" in refused
+        assert 0 < waited_s < 0.5 * step_s
