@@ -208,7 +208,7 @@ class Cluster:
                     "GPUs."
                 )
         elif isinstance(spec, str) and spec.startswith("sim:"):
-            cluster = _simulated_spec(spec)
+            cluster = _simulated_spec(spec, world_size)
         elif spec in ("cpu", "emulated"):
             cluster = replace(cls.emulated(gpus_per_node=world_size), reason="asked for the emulated cluster")
         elif spec in ("gpu", "auto"):
@@ -243,6 +243,11 @@ class Cluster:
     @property
     def is_simulated(self) -> bool:
         return self.kind == "simulated"
+
+    @property
+    def gpu_sized(self) -> bool:
+        """Do labs take their GPU sizes here (real GPUs, or a simulated GPU machine)?"""
+        return self.kind in ("gpu", "simulated")
 
     @property
     def gpu_count(self) -> int:
@@ -395,8 +400,8 @@ PRESETS: dict[str, Cluster] = {
 }
 
 
-def _simulated_spec(spec: str) -> Cluster:
-    """'sim:<preset>' or 'sim:<preset>:<nodes>' as a simulated cluster."""
+def _simulated_spec(spec: str, world_size: int) -> Cluster:
+    """'sim:<preset>' (as many nodes as `world_size` needs) or 'sim:<preset>:<nodes>', simulated."""
     _, _, rest = spec.partition(":")
     name, _, nodes = rest.partition(":")
     if name not in PRESETS or (nodes and not nodes.isdigit()) or nodes == "0":
@@ -404,7 +409,8 @@ def _simulated_spec(spec: str) -> Cluster:
             f"cluster={spec!r} is not a simulated machine; use 'sim:<preset>' or 'sim:<preset>:<nodes>' with "
             f"a preset among {', '.join(sorted(PRESETS))}, e.g. 'sim:dgx-h100' or 'sim:dgx-a100-80gb:2'"
         )
-    return Cluster.preset(name, nodes=int(nodes or 1)).simulated()
+    per_node = PRESETS[name].gpus_per_node
+    return Cluster.preset(name, nodes=int(nodes) if nodes else -(-world_size // per_node)).simulated()
 
 
 def _nvidia_smi_topo() -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from labkit.bandwidth import bandwidth_test
 from labkit.cluster import Cluster
-from labkit.experiments.params import LabParams, param
+from labkit.experiments.params import SIMULATED_CLUSTERS, LabParams, param
 from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.gpu_links import LIMIT_MEANING
 
@@ -26,6 +26,12 @@ __all__ = ["Params", "headline"]
 class Params(LabParams):
     """Lab 00's parameters."""
 
+    cluster: str = param(
+        "auto",
+        "auto: NCCL if this machine has a GPU per rank, else the emulated cluster (cpu); sim:dgx-h100 (or "
+        "another preset): a simulated node, links as published",
+        choices=("auto", "cpu", "gpu", *SIMULATED_CLUSTERS),
+    )
     world_size: int = param(
         2, "ranks (processes), one per GPU or emulated GPU; a collective needs two", minimum=2
     )
@@ -61,8 +67,9 @@ def headline(w: Where, p: Params) -> LabRecords:
     rows = w.launch(bandwidth_test, sizes, iters=p.iters, timeout_s=p.timeout_s)[0]
     if w.emulated:
         assert isinstance(w.cluster, Cluster)
-        limit = w.cluster.topology().slowest_link(list(range(w.world_size))).bandwidth_gb_s
-        why = "the emulated link's β"
+        link = w.cluster.topology().slowest_link(list(range(w.world_size)))
+        limit = link.bandwidth_gb_s
+        why = f"the simulated link's β ({link.name})" if w.simulated else "the emulated link's β"
     elif w.on_gpu and w.nodes == 1:
         # torchrun: detect
         link = (w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()).intra_node

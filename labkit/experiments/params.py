@@ -29,14 +29,16 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
-from labkit.cluster import Cluster
+from labkit.cluster import PRESETS, Cluster
 from labkit.models import GPTConfig
 from labkit.validate import ParamError
 
-__all__ = ["FORMS", "LabParams", "ParamError", "gpt_param", "param"]
+__all__ = ["FORMS", "SIMULATED_CLUSTERS", "LabParams", "ParamError", "gpt_param", "param"]
 
 P = TypeVar("P", bound="LabParams")
 FORMS = ("set", "p", "cell", "python")  # where a value was typed: --set, labkit run -p, the notebook, a call
+# A lab that runs on a simulated machine takes these among its `cluster` choices (one node per 8 ranks)
+SIMULATED_CLUSTERS = tuple(f"sim:{name}" for name in PRESETS)
 
 
 def param(
@@ -231,7 +233,7 @@ class LabParams:
         values = {k: namespace[k] for k in cls.field_docs() if k in namespace}
         made = cls.make(values, "cell").for_machine()
         if on_gpu is None:
-            on_gpu = not Cluster.resolve(made.cluster, max(1, made.ranks or 1)).is_emulated
+            on_gpu = Cluster.resolve(made.cluster, max(1, made.ranks or 1)).gpu_sized
         try:
             return made.resolve(on_gpu=on_gpu)
         except ParamError as err:

@@ -72,6 +72,11 @@ class Where:
     def emulated(self) -> bool:
         return isinstance(self.cluster, Cluster) and self.cluster.is_emulated
 
+    @property
+    def simulated(self) -> bool:
+        """A simulated GPU machine (emulated too): the lab runs at its GPU sizes in modelled time."""
+        return isinstance(self.cluster, Cluster) and self.cluster.is_simulated
+
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """`labkit.launch(fn, *args, world_size=..., cluster=..., **kwargs)` on these ranks (`cluster=` in
         `kwargs` replaces this one: the same ranks with another memory budget)."""
@@ -235,7 +240,7 @@ def run_lab(module: str, argv: list[str] | None = None) -> int:
         if not getattr(args, "world_size", None) and not torchrun.under_torchrun():
             params = params.for_machine()  # one rank on a one-GPU machine, for a lab that has it
         w = where(params.cluster, getattr(args, "world_size", None) or params.ranks or 2)
-        params = params.with_ranks(w.world_size).resolve(on_gpu=w.on_gpu)
+        params = params.with_ranks(w.world_size).resolve(on_gpu=w.on_gpu or w.simulated)
         if w.rank() == 0:
             print(f"lab {name}: {w.world_size} ranks ({w.label}); parameters {params.as_dict()}", flush=True)
         result: LabRecords = lab.headline(w, params)

@@ -3,11 +3,18 @@ exercise."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
+from labkit.cluster import Cluster
+from labkit.forecast import bandwidth_forecast
+
 LAB = "00_cluster_tour"
+NODE = Cluster.resolve("sim:dgx-h100", 8)
 
 
 def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_size: int = 2) -> None:
@@ -19,10 +26,42 @@ def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_s
         assert 0 < rec["before"] < rec["after"] <= rec["limit"] * 1.1
     if torchrun:  # gloo over loopback has no published link figure
         assert rec["limit"] is None and "no published link figure" in rec["meaning"]["limit"]
+    else:  # the sweep on a simulated DGX H100 node: the forecast of the GPU sizes on paper, exactly
+        node = rec["simulated_node"]
+        paper = bandwidth_forecast(node["sizes"], 8, NODE.intra_node)
+        assert node["label"] == "simulated H100-SXM5-80GB" and node["limit"] == paper.limit == 450
+        assert (node["before"], node["after"]) == pytest.approx((paper.before, paper.after), rel=1e-6)
 
 
 def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
     expect(run_solution(LAB), check_common)
+
+
+def test_on_a_simulated_node_the_notebook_sweeps_the_gpu_sizes_as_forecast(run_solution, check_common):
+    """cluster="sim:dgx-h100": the sweep at the GPU defaults (4 KiB to 1 GiB) on 8 simulated H100s, the
+    all-reduce exercise checked on the emulated cluster; before / after / limit as forecast on paper."""
+    rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=8, sizes_kib=None)
+    expect(rec, check_common, world_size=8)
+    sizes = [r["size_bytes"] for r in rec["sweep"]]
+    assert sizes == [4096 * 4**i for i in range(10)]
+    paper = bandwidth_forecast(sizes, 8, NODE.intra_node)
+    assert (rec["before"], rec["after"], rec["limit"]) == pytest.approx(
+        (paper.before, paper.after, paper.limit), rel=1e-6
+    )
+
+
+def test_the_script_runs_on_a_simulated_node(tmp_path):
+    out = tmp_path / "00.json"
+    args = ["--cluster", "sim:dgx-h100", "--world-size", "8", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "labkit.experiments.cluster_tour", *args], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    paper = bandwidth_forecast([r["size_bytes"] for r in rec["sweep"]], 8, NODE.intra_node)
+    assert rec["where"] == "simulated H100-SXM5-80GB" and rec["emulated"]
+    assert (rec["before"], rec["after"]) == pytest.approx((paper.before, paper.after), rel=1e-6)
+    assert "the simulated link's β (NVLink 4 + NVSwitch)" in rec["meaning"]["limit"]
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
