@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "INTERNALS",
+    "OBJECT_COLLECTIVES",
     "PROCESS_GROUP_OVERRIDES",
     "TorchDispatchMode",
     "allgather_base",
@@ -44,6 +45,9 @@ __all__ = [
     "problems",
     "process_groups",
     "queue_backward_callback",
+    "real_object_collectives",
+    "real_tensors",
+    "real_warmup_vote",
     "reduce_scatter_base",
     "removing_module_grad_hooks",
     "set_cuda_allocator_settings",
@@ -93,6 +97,18 @@ INTERNALS: tuple[Internal, ...] = (
         "torch._subclasses.fake_tensor",
         "FakeTensorMode",
         "measure.estimate_fake and the simulated cluster: run a step of a model too large to allocate",
+    ),
+    Internal(
+        "torch._subclasses.fake_tensor",
+        "unset_fake_temporarily",
+        "training.trainer: a DataLoader draws its base seed with .item(), which a FakeTensor cannot give",
+    ),
+    Internal(
+        "torch.distributed.pipelining.schedules",
+        "_PipelineSchedule._warmup_p2p",
+        "parallel.pipeline on a simulated machine: the warm-up vote's tensors decide the schedule's mode by "
+        ".item(), so they are made real there",
+        ("self", "stages", "has_backward", "p2p_done"),
     ),
     Internal(
         "torch._subclasses.fake_tensor",
@@ -232,6 +248,58 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+def real_tensors() -> Any:
+    """A context in which tensors are real again, inside a FakeTensorMode (a no-op outside one)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def real_warmup_vote(schedule: Any) -> None:
+    """Make `schedule`'s P2P warm-up (torch.distributed.pipelining: each stage votes with a one-element tensor
+    sent to the next, and the result's `.item()` picks the schedule's inference mode) run on real tensors,
+    inside a FakeTensorMode; the stages' own work stays fake. Nothing where the schedule has no such
+    warm-up."""
+    original = getattr(schedule, "_warmup_p2p", None)
+    if original is None:
+        return
+
+    def on_real_tensors(*args: Any, **kwargs: Any) -> Any:
+        with real_tensors():
+            return original(*args, **kwargs)
+
+    schedule._warmup_p2p = on_real_tensors
+
+
+# torch.distributed's collectives of Python objects: they pickle into byte tensors and read sizes back with
+# .item(), so inside a FakeTensorMode their tensors must be real
+OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "recv_object_list",
+    "scatter_object_list",
+    "send_object_list",
+)
+
+
+def real_object_collectives() -> None:
+    """In this process, make torch.distributed's object collectives run on real tensors inside a
+    FakeTensorMode (a simulated rank: its objects, e.g. pipelining's stage metadata, still travel through
+    the process group). Called once per simulated rank process."""
+    for name in OBJECT_COLLECTIVES:
+        original = getattr(dist, name)
+        if getattr(original, "_labkit_real", False):
+            continue
+
+        def on_real_tensors(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            with real_tensors():
+                return _original(*args, **kwargs)
+
+        on_real_tensors._labkit_real = True  # type: ignore[attr-defined]
+        setattr(dist, name, on_real_tensors)
 
 
 def is_fake(t: Any) -> bool:

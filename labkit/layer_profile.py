@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from labkit import _torch_compat as compat
 from labkit import timer, validate
 
 __all__ = ["LayerProfile", "profile_layers"]
@@ -36,11 +37,16 @@ class LayerProfile:
 def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Run fn and count the bytes of the tensors autograd saves for backward (each storage once)."""
     seen: dict[int, int] = {}
+    kept = []  # a FakeTensor's storage has no address: keyed by the storage object, kept alive meanwhile
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if compat.is_fake(t):
+                kept.append(storage)
+                seen[id(storage)] = storage.nbytes()
+            else:
+                seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

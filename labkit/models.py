@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from labkit import validate
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "check_tp_size", "seeded_model", "synthetic_batch"]
+M = TypeVar("M", bound=nn.Module)
+
+__all__ = ["GPT", "PRESETS", "GPTConfig", "check_tp_size", "on_device", "seeded_model", "synthetic_batch"]
 
 
 @dataclass
@@ -326,7 +329,14 @@ def seeded_model(
     """`GPT(config)` with the weights `torch.manual_seed(seed)` gives, on `device`: every rank (and a
     single-process reference) that makes it with the same seed starts from the same weights."""
     torch.manual_seed(seed)
-    return GPT(config, checkpointing=checkpointing).to(device)
+    return on_device(GPT(config, checkpointing=checkpointing), device)
+
+
+def on_device(module: M, device: torch.device | str) -> M:
+    """`module` (made on the CPU) on `device`: moved to another device, left as it is for the CPU. A
+    simulated machine's parameters are FakeTensors, which `module.to()` cannot swap in place ("Couldn't
+    swap"), even for the device they are on."""
+    return module if torch.device(device).type == "cpu" else module.to(device)
 
 
 def synthetic_batch(

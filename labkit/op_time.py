@@ -27,6 +27,7 @@ operators, clocks that fall under power limits, cuBLAS's choice among tile shape
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from labkit import validate
@@ -37,9 +38,11 @@ __all__ = [
     "FP32_PEAK_TFLOPS",
     "GpuSpec",
     "attention_flops",
+    "kernel_s",
     "matmul_s",
     "memory_s",
     "op_s",
+    "split_k",
 ]
 
 # Eager PyTorch spends some 10-20 µs of host time per operator (dispatch and launch); measured on the H200
@@ -107,13 +110,38 @@ def memory_s(gpu: GpuSpec, nbytes: float) -> float:
     return nbytes / (gpu.memory_gb_s * 1e9 * gpu.memory_efficiency)
 
 
+def split_k(m: int, n: int, k: int, batch: int, curve: GemmCurve) -> int:
+    """Into how many slices of K a matmul's output tiles are split so that a small output fills the SMs.
+
+    cuBLAS and CUTLASS split the reduction dimension when the output has fewer tiles than the GPU has SMs
+    and K is deep ("split-K" / "sliced-K", CUTLASS's "Efficient GEMM in CUDA"; Hopper's stream-K): each
+    thread block sums a slice of K and the partial sums are added at the end. A slice is at least one tile
+    deep. Without it a thin output (256 tokens x 2048) would use 32 of an H100's 132 SMs."""
+    tiles = batch * math.ceil(m / curve.tile) * math.ceil(n / curve.tile)
+    if tiles >= curve.sms:
+        return 1
+    return max(1, min(curve.sms // tiles, math.ceil(k / curve.tile)))
+
+
 def matmul_s(gpu: GpuSpec, m: int, n: int, k: int, batch: int = 1, element_bytes: int = 2) -> float:
     """Device seconds of `batch` (m x k) @ (k x n) matmuls: FLOPs at the large-matmul efficiency times the
-    tiles' and waves' share (the batch's outputs stacked into one grid of tiles), or the operands' bytes,
-    whichever is longer. No host floor (`op_s` adds it)."""
+    tiles' and waves' share (the batch's outputs stacked into one grid of tiles; a small output split along K,
+    `split_k`), or the operands' bytes (and the split's fp32 partial sums), whichever is longer. No host
+    floor (`op_s` adds it)."""
     flops = 2.0 * batch * m * n * k
-    rate = gpu.peak_flops(element_bytes) * gpu.matmul_efficiency * quantization(batch * m, n, gpu.curve)
+    curve = gpu.curve
+    splits = split_k(m, n, k, batch, curve)
+    # the tiles' fill times the waves' fill of tiles x splits work units on the SMs
+    tiles = batch * math.ceil(m / curve.tile) * math.ceil(n / curve.tile)
+    fill = batch * m * n / (tiles * curve.tile**2)
+    units = tiles * splits
+    share = fill * units / (math.ceil(units / curve.sms) * curve.sms)
+    if splits == 1:
+        share = quantization(batch * m, n, curve)  # the planner's curve, unchanged
+    rate = gpu.peak_flops(element_bytes) * gpu.matmul_efficiency * share
     nbytes = element_bytes * batch * (m * k + k * n + m * n)
+    if splits > 1:
+        nbytes += 2 * 4 * splits * batch * m * n  # each slice's partial sums written and read back in fp32
     return max(flops / rate, memory_s(gpu, nbytes))
 
 
@@ -125,7 +153,7 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
     return flops / 2 if causal else flops
 
 
-def op_s(
+def kernel_s(
     gpu: GpuSpec,
     *,
     nbytes: float,
@@ -134,9 +162,9 @@ def op_s(
     attention: str | None = None,
     element_bytes: int = 2,
 ) -> float:
-    """Seconds one operator takes: its compute (a `matmul` of (batch, m, n, k); `attention` "forward" or
-    "backward": its FLOPs at that pass's attention efficiency; other FLOPs at the peak) or its `nbytes` of
-    memory traffic, whichever is longer, and never less than the host's dispatch."""
+    """Device seconds of one operator's kernel: its compute (a `matmul` of (batch, m, n, k); `attention`
+    "forward" or "backward": its FLOPs at that pass's attention efficiency; other FLOPs at the peak) or its
+    `nbytes` of memory traffic, whichever is longer. The host's dispatch is not in it (`op_s`)."""
     if matmul is not None:
         batch, m, n, k = matmul
         device = matmul_s(gpu, m, n, k, batch, element_bytes)
@@ -146,4 +174,11 @@ def op_s(
         }[attention]
         device = flops / (gpu.peak_flops(element_bytes) * share) if flops else 0.0
         device = max(device, memory_s(gpu, nbytes))
-    return max(device, gpu.dispatch_s)
+    return device
+
+
+def op_s(gpu: GpuSpec, **kernel: object) -> float:
+    """Seconds one operator takes when operators run back to back: its kernel (`kernel_s`, same arguments),
+    never less than the host's dispatch, which issues one operator per `DISPATCH_S` (the planner's floor).
+    `SimulatedDevice` keeps the host's clock apart instead: a long kernel hides the next dispatches."""
+    return max(kernel_s(gpu, **kernel), gpu.dispatch_s)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from labkit import emulate
 from labkit.cluster import Cluster
 
 __all__ = [
@@ -72,9 +73,13 @@ def device() -> torch.device:
 
 
 def synchronize() -> None:
-    """Wait until this rank's device has finished its queued work (a no-op on the CPU)."""
+    """Wait until this rank's device has finished its queued work (a simulated GPU's host waits for it; a
+    no-op on the CPU)."""
     if on_gpu() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    simulated = emulate.active_simulated_device()
+    if simulated is not None:
+        simulated.synchronize()
 
 
 def pin_to_one_core(rank: int) -> None:

@@ -27,9 +27,9 @@ __all__ = ["CollectivesSpan", "Mark", "Span", "clock", "waited"]
 
 def clock() -> float:
     """Seconds on this rank's timer (see the module docstring); take differences of two readings."""
+    runtime.synchronize()  # a GPU's (or a simulated GPU's) host waits for its queued work
     if runtime.on_virtual_clock():
         return emulate.rank_clock().now()
-    runtime.synchronize()
     return time.perf_counter()
 
 

@@ -121,6 +121,7 @@ def _rank_device(cluster: Cluster, rank: int) -> contextlib.AbstractContextManag
     """What stands in for the rank's GPU around its function: the simulated card (tensors without storage,
     each operator timed on the described GPU, its memory), an emulated memory budget, or nothing."""
     if cluster.is_simulated:
+        compat.real_object_collectives()  # pickled objects travel as real bytes
         stack = contextlib.ExitStack()
         stack.enter_context(compat.fake_tensor_mode())
         stack.enter_context(emulate.SimulatedDevice(cluster.gpu_spec(), emulate.rank_clock(), rank=rank))

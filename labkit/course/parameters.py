@@ -127,7 +127,7 @@ def lab_parameters(
             continue
         mine = {k: v for k, v in given.items() if k in fields[lab]}
         try:
-            registry.params_of(lab).make(mine, "p")
+            registry.params_of(lab).make(mine, "p").check_notebook_cluster("p")
         except ParamError as err:
             raise LabParamError(lab, err) from None
         out[lab] = mine

@@ -4,12 +4,15 @@
 runs at GPU size on tensors with shapes and dtypes but no storage, so a 7B-wide layer costs no CPU time, and
 each operator it dispatches:
 
-* advances the rank's modelled clock (`clock.VirtualClock(modelled=True).spend`) by its time on the
-  described GPU, `labkit.op_time.op_s`: a matmul (`mm`, `addmm`, `bmm`, `baddbmm`) by its shape, an attention
-  kernel by its FLOPs (`op_time.attention_flops`), any other operator with a FLOP formula in torch's own
-  counter (`torch.utils.flop_counter.flop_registry`, e.g. convolutions) by its FLOPs, and every operator by
-  the bytes of its inputs and outputs, each at least the host's dispatch. Views and metadata (a `view`, a
-  `transpose`, `detach`) launch no kernel and cost nothing;
+* advances the rank's modelled clock (`clock.VirtualClock(modelled=True).spend`) by its kernel's time on
+  the described GPU, `labkit.op_time.kernel_s`: a matmul (`mm`, `addmm`, `bmm`, `baddbmm`) by its shape, an
+  attention kernel by its FLOPs (`op_time.attention_flops`), any other operator with a FLOP formula in
+  torch's own counter (`torch.utils.flop_counter.flop_registry`, e.g. convolutions) by its FLOPs, and every
+  operator by the bytes of its inputs and outputs. The host issues one operator per `op_time.DISPATCH_S` on
+  a clock of its own, as eager PyTorch runs ahead of an asynchronous GPU: a kernel starts when the previous
+  one has ended and the host has issued it, so long kernels hide the host and short ones wait for it
+  (the "host" share of `times`); reading the timer synchronises the two, as `torch.cuda.synchronize` does.
+  Views and metadata (a `view`, a `transpose`, `detach`) and allocations launch no kernel and cost nothing;
 * counts the bytes of every new storage until it is freed, and raises `torch.OutOfMemoryError` past the
   card's memory, shaped like the CUDA allocator's message (tensor bytes only: no allocator rounding,
   fragmentation or CUDA context, which the message says).
@@ -54,6 +57,12 @@ _FREE = {
 }
 
 
+# Namespaces of operators that launch no kernel: metadata (prim.device) and the profiler's range markers.
+_NO_KERNEL = {"prim", "profiler"}
+# In-place operators that overwrite their first argument without reading it.
+_OVERWRITE = {_aten.zero_, _aten.fill_, _aten.copy_}
+
+
 def _fmt(nbytes: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
@@ -71,9 +80,9 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 @dataclass
 class OpTimes:
-    """What a simulated device spent its modelled time on: seconds and operator counts per kind
-    ("matmul", "attention", "other" (memory-bound or counted FLOPs), "dispatch" (operators held to the host's
-    floor))."""
+    """What a simulated device spent its modelled time on: seconds and operator counts per kind of kernel
+    ("matmul", "attention", "other": memory-bound or counted FLOPs), and "host": the device idle, waiting for
+    the host to issue the next operator."""
 
     seconds: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)
@@ -110,13 +119,38 @@ class SimulatedDevice(compat.TorchDispatchMode):
         self.allocated = 0
         self.peak = 0
         self._live: dict[int, int] = {}  # id of a live storage -> its bytes
+        self._host_s = 0.0  # when the host will have issued every operator so far, on the device's timeline
+        self._device_s = 0.0  # the device's time without a clock (one process, no rank)
 
     # -- time ------------------------------------------------------------------------------
 
+    def now(self) -> float:
+        """The device's time: its clock's, or its own without one."""
+        return self.clock.now() if self.clock is not None else self._device_s
+
+    def synchronize(self) -> None:
+        """The host waits for the device (a timer reading, `torch.cuda.synchronize`)."""
+        self._host_s = max(self._host_s, self.now())
+
+    def _run(self, kind: str, seconds: float) -> None:
+        """One kernel of `seconds`, issued by the host after the previous operator's dispatch."""
+        now = self.now()
+        self._host_s += self.gpu.dispatch_s
+        idle = max(0.0, self._host_s - now)
+        self.times.seconds[kind] += seconds
+        self.times.seconds["host"] += idle
+        if self.clock is not None:
+            self.clock.spend(idle + seconds)
+        else:
+            self._device_s += idle + seconds
+
     def op_seconds(self, func, args, kwargs, out) -> tuple[str, float, float]:
-        """(kind, seconds, FLOPs) of one operator on the described GPU."""
+        """(kind, kernel seconds, FLOPs) of one operator on the described GPU."""
         ins, outs = _tensors((args, kwargs)), _tensors(out)
-        nbytes = _nbytes(ins) + _nbytes(outs)
+        # what the kernel reads and writes: every input and output, except the old values of a tensor that
+        # is only overwritten (zero_, fill_, copy_'s destination)
+        read = ins[1:] if func.overloadpacket in _OVERWRITE else ins
+        nbytes = _nbytes(read) + _nbytes(outs)
         # The operands' precision picks the peak: the first floating input (a matmul's A, attention's q or
         # its output's gradient), not a float32 side input such as attention's logsumexp.
         elem = next((t.element_size() for t in ins if t.is_floating_point()), 4)
@@ -125,7 +159,7 @@ class SimulatedDevice(compat.TorchDispatchMode):
             a, b = (args[0], args[1]) if packet in (_aten.mm, _aten.bmm) else (args[1], args[2])
             batch = a.shape[0] if a.dim() == 3 else 1
             m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-            seconds = op_time.op_s(self.gpu, nbytes=nbytes, matmul=(batch, m, n, k), element_bytes=elem)
+            seconds = op_time.kernel_s(self.gpu, nbytes=nbytes, matmul=(batch, m, n, k), element_bytes=elem)
             return "matmul", seconds, 2.0 * batch * m * n * k
         if packet in _ATTENTION:
             direction, causal_at = _ATTENTION[packet]
@@ -135,13 +169,12 @@ class SimulatedDevice(compat.TorchDispatchMode):
             b, h, s_q, d = q.shape
             flops = op_time.attention_flops(b, h, s_q, k.shape[-2], d, causal)
             flops *= 2.5 if direction == "backward" else 1.0
-            seconds = op_time.op_s(
+            seconds = op_time.kernel_s(
                 self.gpu, nbytes=nbytes, flops=flops, attention=direction, element_bytes=elem
             )
             return "attention", seconds, flops
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
-        seconds = op_time.op_s(self.gpu, nbytes=nbytes, flops=flops, element_bytes=elem)
-        return ("dispatch" if seconds == self.gpu.dispatch_s else "other"), seconds, flops
+        return "other", op_time.kernel_s(self.gpu, nbytes=nbytes, flops=flops, element_bytes=elem), flops
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -203,16 +236,14 @@ class SimulatedDevice(compat.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func.overloadpacket in _FREE or func.namespace == "prim":
+        if func.is_view or func.overloadpacket in _FREE or func.namespace in _NO_KERNEL:
             return out
         for t in _tensors(out):
             self._count(t)
         kind, seconds, flops = self.op_seconds(func, args, kwargs, out)
-        self.times.seconds[kind] += seconds
         self.times.ops[kind] += 1
         self.times.flops += flops
-        if self.clock is not None:
-            self.clock.spend(seconds)
+        self._run(kind, seconds)
         return out
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from labkit.bandwidth import bandwidth_test
 from labkit.cluster import Cluster
-from labkit.experiments.params import SIMULATED_CLUSTERS, LabParams, param
+from labkit.experiments.params import LabParams, param, simulable_cluster
 from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.gpu_links import LIMIT_MEANING
 
@@ -26,12 +26,7 @@ __all__ = ["Params", "headline"]
 class Params(LabParams):
     """Lab 00's parameters."""
 
-    cluster: str = param(
-        "auto",
-        "auto: NCCL if this machine has a GPU per rank, else the emulated cluster (cpu); sim:dgx-h100 (or "
-        "another preset): a simulated node, links as published",
-        choices=("auto", "cpu", "gpu", *SIMULATED_CLUSTERS),
-    )
+    cluster: str = simulable_cluster()
     world_size: int = param(
         2, "ranks (processes), one per GPU or emulated GPU; a collective needs two", minimum=2
     )
@@ -50,6 +45,7 @@ class Params(LabParams):
     )
 
     LAB = "00_cluster_tour"
+    NOTEBOOK_SIMULATED = True  # its sweep runs there; the all-reduce exercise on the emulated cluster
     ONE_GPU = "its lesson is the link between GPUs"
     TEST = {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 20}
     SMOKE = {"sizes_kib": [4, 64], "iters": 3}

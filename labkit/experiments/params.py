@@ -33,7 +33,15 @@ from labkit.cluster import PRESETS, Cluster
 from labkit.models import GPTConfig
 from labkit.validate import ParamError
 
-__all__ = ["FORMS", "SIMULATED_CLUSTERS", "LabParams", "ParamError", "gpt_param", "param"]
+__all__ = [
+    "FORMS",
+    "SIMULATED_CLUSTERS",
+    "LabParams",
+    "ParamError",
+    "gpt_param",
+    "param",
+    "simulable_cluster",
+]
 
 P = TypeVar("P", bound="LabParams")
 FORMS = ("set", "p", "cell", "python")  # where a value was typed: --set, labkit run -p, the notebook, a call
@@ -115,6 +123,17 @@ def _conforms(value: Any, kind: Any) -> bool:
     return isinstance(value, kind)
 
 
+def simulable_cluster(default: str = "auto") -> Any:
+    """The `cluster` field of a lab that also runs on a simulated machine ("sim:dgx-h100", ...: its GPU sizes,
+    each operator timed on the described GPU, no numerics)."""
+    return param(
+        default,
+        "auto: NCCL if this machine has a GPU per rank, else the emulated cluster (cpu); sim:dgx-h100 (or "
+        "another preset): a simulated node at GPU sizes, links as published",
+        choices=("auto", "cpu", "gpu", *SIMULATED_CLUSTERS),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class LabParams:
     """The parameters every lab has; each lab's `Params` subclasses it and adds its own."""
@@ -141,6 +160,9 @@ class LabParams:
     # what runs where and why (`labkit doctor` prints it)
     ONE_GPU_RANKS: ClassVar[int | None] = None
     ONE_GPU: ClassVar[str] = ""
+    # Whether the lab's notebook runs on a simulated machine (its script does wherever `cluster` offers one):
+    # a notebook whose exercises compare values with a single process needs numerics, which it does not have
+    NOTEBOOK_SIMULATED: ClassVar[bool] = False
 
     # ----------------------------------------------------------------- checks
 
@@ -232,12 +254,28 @@ class LabParams:
         """In a notebook: the parameters cell's values (after papermill's), checked and resolved."""
         values = {k: namespace[k] for k in cls.field_docs() if k in namespace}
         made = cls.make(values, "cell").for_machine()
+        made.check_notebook_cluster("cell")
         if on_gpu is None:
             on_gpu = Cluster.resolve(made.cluster, max(1, made.ranks or 1)).gpu_sized
         try:
             return made.resolve(on_gpu=on_gpu)
         except ParamError as err:
             raise err.in_form("cell") from None
+
+    def check_notebook_cluster(self, form: str) -> None:
+        """Refuse a simulated machine for a notebook that needs numerics (`NOTEBOOK_SIMULATED`), naming the
+        script that runs the lab's measurement there."""
+        if self.cluster.startswith("sim:") and not self.NOTEBOOK_SIMULATED:
+            raise ParamError(
+                "cluster",
+                self.cluster,
+                "auto, cpu or gpu in this notebook",
+                "cpu",
+                form=form,
+                why="its exercises and checks compare values with a single process, and a simulated "
+                "machine computes none; its measurement runs there as a script: python -m "
+                f"{type(self).__module__} --cluster {self.cluster} --world-size 8",
+            )
 
     # ---------------------------------------------------------------- ranks
 

@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import validate
-from labkit.models import GPT, GPTConfig
+from labkit import _torch_compat as compat
+from labkit import runtime, validate
+from labkit.models import GPT, GPTConfig, on_device
 from labkit.timer import Mark
 
 __all__ = [
@@ -148,7 +149,7 @@ def pipeline_stages(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     return [
         pipelining.PipelineStage(
-            GPTStage(model, *bounds[s]).to(device), s, len(sizes), torch.device(device), group=group
+            on_device(GPTStage(model, *bounds[s]), device), s, len(sizes), torch.device(device), group=group
         )
         for s in stage_of_rank(rank, world, len(sizes))
     ]
@@ -168,7 +169,7 @@ def make_schedule(
     validate.positive_int("micro_batches", micro_batches, 'make_schedule(stages, "1f1b", micro_batches=8)')
     cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
     if schedule == "interleaved_1f1b":
-        return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn)
+        return _simulable(cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn))
     if len(stages) != 1:
         raise ValueError(
             f"schedule={schedule!r} runs one stage per rank, this rank holds {len(stages)}: use "
@@ -180,7 +181,15 @@ def make_schedule(
             f"1F1B needs at least as many micro-batches as stages: micro_batches={micro_batches} < "
             f"{world}; use micro_batches >= {world} or schedule='gpipe'"
         )
-    return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
+    return _simulable(cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn))
+
+
+def _simulable(schedule: Any) -> Any:
+    """On a simulated machine the schedule's warm-up vote runs on real tensors: its values pick the schedule's
+    mode (`_torch_compat.real_warmup_vote`); the stages' work stays on FakeTensors."""
+    if runtime.on_simulated():
+        compat.real_warmup_vote(schedule)
+    return schedule
 
 
 @dataclass

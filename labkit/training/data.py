@@ -16,6 +16,7 @@ import statistics
 import torch
 from torch import nn
 
+from labkit import _torch_compat as compat
 from labkit import timer
 from labkit.models import GPTConfig, synthetic_batch
 from labkit.training.reference import rank_rows
@@ -48,6 +49,14 @@ class RankSamples(torch.utils.data.Dataset):
         return len(self.x)
 
     def _tokenize(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.passes:  # nothing to parse: the sample as it is
+            return self.x[i], self.y[i]
+        if compat.is_fake(self.x):
+            raise RuntimeError(
+                f"a tokenizer in the loop (passes={self.passes}) is host Python, which a simulated machine "
+                "neither runs on real tokens nor times: run a data-loading lesson on the emulated cluster "
+                "(cluster='cpu') or on GPUs"
+            )
         tokens = self.x[i].tolist()
         for _ in range(self.passes):  # text -> tokens, as a slow tokenizer would
             text = " ".join(f"t{t:05d}" for t in tokens)

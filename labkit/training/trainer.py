@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from labkit import _torch_compat as compat
 from labkit import runtime
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.data import OverlappedDDP
@@ -114,7 +115,9 @@ class Trainer:
         if job.tokenize == "ahead":
             data.prepare()  # before training: in no step
         self.steps = steps
-        self.batches = iter(torch.utils.data.DataLoader(data, batch_size=job.micro_batch, shuffle=False))
+        loader = torch.utils.data.DataLoader(data, batch_size=job.micro_batch, shuffle=False)
+        with compat.real_tensors():  # its base seed is drawn with .item(): real even on a simulated machine
+            self.batches = iter(loader)
         self._metric: Any = None  # the logged metric's all-reduce, in flight until the step ends
         # every rank holds the held-out batch; who evaluates which rows is the job's choice
         self.val_x, self.val_y = synthetic_batch(

@@ -12,7 +12,7 @@ from labkit import timer
 from labkit.bandwidth import bandwidth_test
 from labkit.cluster import Cluster
 from labkit.links import collective_time_s
-from labkit.op_time import op_s
+from labkit.op_time import DISPATCH_S, kernel_s
 
 
 def _all_reduce(nbytes: int) -> tuple[float, str, str]:
@@ -55,7 +55,8 @@ def test_a_rank_waits_in_simulated_time_for_a_peers_modelled_matmul():
     n = 8192
     waited, computed = labkit.launch(_late_peer, n, world_size=2, cluster=node)
     gpu = node.gpu_spec()
-    matmul = op_s(gpu, nbytes=3 * n * n * 2, matmul=(1, n, n, n))
+    # the host issues the matmul after the timer's reading (one dispatch), then the kernel, then the link
+    matmul = DISPATCH_S + kernel_s(gpu, nbytes=3 * n * n * 2, matmul=(1, n, n, n))
     link = collective_time_s("all_reduce", n * n * 2, 2, node.intra_node)
     assert computed == pytest.approx(matmul + link, abs=5e-9)
     assert waited == pytest.approx(computed, abs=5e-9)  # rank 0 idles until rank 1 issues
@@ -82,7 +83,8 @@ def test_simulated_machines_are_named_and_checked():
     with pytest.raises(ValueError, match="sim:<preset>"):
         Cluster.resolve("sim:dgx-h1000", 2)
     with pytest.raises(ValueError, match="sim:dgx-h100:2"):
-        Cluster.resolve("sim:dgx-h100", 9)
+        Cluster.resolve("sim:dgx-h100:1", 9)
+    assert Cluster.resolve("sim:dgx-h100", 9).nodes == 2  # without a count, as many nodes as the ranks need
     with pytest.raises(ValueError, match="only a described machine"):
         Cluster.emulated(gpus_per_node=2).simulated()
     node = Cluster.resolve("sim:dgx-h200", 8)

@@ -38,8 +38,9 @@ def test_a_matmul_advances_the_clock_by_its_modelled_time_and_a_view_by_nothing(
             c.view(-1)
             torch.empty(1024, 1024)
     nbytes = 2 * (8192 * 4096 * 2 + 8192 * 8192)
-    expected = op_time.op_s(H100, nbytes=nbytes, matmul=(1, 8192, 8192, 4096))
-    assert after_mm == pytest.approx(expected, abs=1e-9)
+    kernel = op_time.kernel_s(H100, nbytes=nbytes, matmul=(1, 8192, 8192, 4096))
+    # the first kernel starts once the host has issued it
+    assert after_mm == pytest.approx(op_time.DISPATCH_S + kernel, abs=1e-9)
     assert clock.now() == after_mm  # a transpose, a view and an allocation launch no kernel
     assert dev.times.ops["matmul"] == 1 and dev.times.flops == 2 * 8192 * 8192 * 4096
     assert isinstance(c, torch.Tensor) and c.shape == (8192, 8192)
@@ -105,6 +106,29 @@ def test_the_device_is_the_ranks_memory_budget_and_a_limit_narrows_it():
         assert dev.allocated == kept.numel() * 2
         del kept
         assert dev.allocated == 0 and dev.peak == 512 * 2**20
+
+
+def test_short_kernels_wait_for_the_host_and_long_ones_hide_it():
+    """The host issues one operator per DISPATCH_S, ahead of the device: a run of tiny additions is
+    host-bound (one dispatch each), while the dispatches behind a long matmul cost nothing."""
+    clock = VirtualClock(modelled=True)
+    with compat.fake_tensor_mode():
+        small = torch.empty(64)
+        a = torch.empty(8192, 8192, dtype=torch.bfloat16)
+        with SimulatedDevice(H100, clock) as dev:
+            for _ in range(100):
+                small = small + 1
+            tiny = clock.now()
+            a @ a  # a 1.4 ms kernel ...
+            for _ in range(50):  # ... behind which the host issues these
+                small = small + 1
+            dev.synchronize()
+    assert tiny == pytest.approx(100 * op_time.DISPATCH_S, abs=1e-7)  # the clock counts whole nanoseconds
+    matmul = op_time.kernel_s(H100, nbytes=3 * 8192 * 8192 * 2, matmul=(1, 8192, 8192, 8192))
+    add = op_time.kernel_s(H100, nbytes=2 * 64 * 4)
+    assert clock.now() - tiny == pytest.approx(op_time.DISPATCH_S + matmul + 50 * add, abs=1e-7)
+    # the device idled for the host before the matmul, nearly all of the first 100 dispatches
+    assert 0.9 * 100 * op_time.DISPATCH_S < dev.times.seconds["host"] < 102 * op_time.DISPATCH_S
 
 
 def test_a_simulated_device_needs_a_modelled_clock():

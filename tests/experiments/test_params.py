@@ -60,7 +60,8 @@ def test_a_bad_value_names_the_field_and_the_fix_in_the_form_it_was_typed(form, 
         ),
         (
             {"cluster": "tpu"},
-            "cluster='tpu' must be one of 'auto', 'cpu', 'gpu'; set it with --set cluster auto",
+            "cluster='tpu' must be one of 'auto', 'cpu', 'gpu', 'sim:dgx-a100-80gb', 'sim:dgx-h100', "
+            "'sim:dgx-h200'; set it with --set cluster auto",
         ),
         ({"trace_dir": 3}, "trace_dir=3 must be a string; set it with --set trace_dir 'traces_03'"),
         ({"steps": True}, "steps=True must be a whole number; set it with --set steps 5"),
@@ -246,3 +247,25 @@ def test_papermill_with_a_wrong_type_fails_in_the_cell_that_checks_it_with_the_f
         "stages='four' must be a whole number; write stages = 4 in the parameters cell (or -p stages 4 with "
         "labkit run / papermill)"
     )
+
+
+@pytest.mark.parametrize("lab", ["03_unoverlapped_comms", "04_imbalanced_pipeline"])
+def test_a_notebook_that_needs_numerics_refuses_a_simulated_machine_naming_the_script(lab):
+    """Labs 03 and 04 run on a simulated machine as scripts; their notebooks' exercises compare values with a
+    single process, which a simulated machine does not compute: the cell and labkit run -p say so."""
+    from labkit.course.parameters import LabParamError, lab_parameters
+
+    params = registry.params_of(lab)
+    module = registry.module_of(lab)
+    assert params.make({"cluster": "sim:dgx-h100"}, "set").cluster == "sim:dgx-h100"  # the script's
+    with pytest.raises(ParamError, match=rf"python -m {module} --cluster sim:dgx-h100.*cluster = 'cpu'"):
+        params.from_cell({"cluster": "sim:dgx-h100"})
+    with pytest.raises(LabParamError, match=rf"lab {lab}: .*-p cluster cpu"):
+        lab_parameters([lab], {"cluster": "sim:dgx-h100"})
+
+
+def test_lab_00s_notebook_takes_a_simulated_node_at_its_gpu_sizes():
+    params = registry.params_of("00_cluster_tour")
+    made = params.from_cell({"cluster": "sim:dgx-h100", "world_size": 8})
+    assert made.sizes_kib[-1] == 2**20  # 1 GiB, as on GPUs
+    assert params.from_cell({"cluster": "cpu"}).sizes_kib[-1] == 4096

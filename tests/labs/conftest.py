@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,26 @@ def torchrun_lab(tmp_path: Path) -> Callable[..., tuple[subprocess.CompletedProc
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=_env())
         return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+    return run
+
+
+@pytest.fixture
+def simulated_lab(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """`simulated_lab(lab, n, *args)`: the lab's script on a simulated DGX H100 node (`--cluster sim:dgx-h100
+    --world-size n`, its GPU sizes, then `args`); its records, with "wall_s" added. A failure fails the test
+    with the script's output."""
+
+    def run(lab: str, n: int, *args: str, timeout: float = 300) -> dict[str, Any]:
+        out = tmp_path / f"{lab}_sim{n}.json"
+        cmd = [sys.executable, "-m", registry.module_of(lab), "--cluster", "sim:dgx-h100", "--world-size", str(n)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [*cmd, "--out", str(out), *args], capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+            env=_env(),
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return {**json.loads(out.read_text()), "wall_s": time.perf_counter() - t0}
 
     return run
 

@@ -3,9 +3,6 @@ exercise."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -50,14 +47,8 @@ def test_on_a_simulated_node_the_notebook_sweeps_the_gpu_sizes_as_forecast(run_s
     )
 
 
-def test_the_script_runs_on_a_simulated_node(tmp_path):
-    out = tmp_path / "00.json"
-    args = ["--cluster", "sim:dgx-h100", "--world-size", "8", "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "labkit.experiments.cluster_tour", *args], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = json.loads(out.read_text())
+def test_the_script_runs_on_a_simulated_node(simulated_lab):
+    rec = simulated_lab(LAB, 8)
     paper = bandwidth_forecast([r["size_bytes"] for r in rec["sweep"]], 8, NODE.intra_node)
     assert rec["where"] == "simulated H100-SXM5-80GB" and rec["emulated"]
     assert (rec["before"], rec["after"]) == pytest.approx((paper.before, paper.after), rel=1e-6)
