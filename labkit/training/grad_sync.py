@@ -107,6 +107,12 @@ class Overlapped(GradSync):
         self.ddp.finish_gradient_synchronization()
         self.collectives, self.in_backward = self.ddp.num_collectives, self.ddp.launched_in_backward
 
+    @property
+    def calls(self) -> list[tuple[int, int]]:
+        """(bucket index, bytes) of the last step's all-reduces, one per bucket, as TorchDDP's counter lists
+        them."""
+        return [(b.index, b.nbytes) for b in self.ddp.buckets] if self.collectives else []
+
     def communicate_only(self) -> None:
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)

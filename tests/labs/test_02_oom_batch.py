@@ -23,6 +23,16 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
     expect(run_solution(LAB), check_common)
 
 
+def test_the_script_on_a_simulated_dgx_h100_node_fits_the_fixed_step_in_the_budget(simulated_lab):
+    """Eight simulated H100s held to the lab's GPU budget (48 MiB above the baseline): the step as first
+    written needs far more, the fixed one fits, counted from the tensors' sizes (OverlappedDDP stands in for
+    torch DDP there, whose C++ reducer needs storage)."""
+    rec = simulated_lab(LAB, 8)
+    assert rec["where"] == "simulated H100-SXM5-80GB" and rec["grad_sync"] == "overlapped"
+    assert rec["after"] <= rec["limit"] == 48.0 < rec["before"] and rec["fits"]
+    assert rec["after"] == pytest.approx(rec["estimate_after_mib"], rel=0.15)
+
+
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
     lab_matches_solution(LAB)
 
