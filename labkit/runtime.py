@@ -27,6 +27,7 @@ __all__ = [
     "on_gpu",
     "on_simulated",
     "on_virtual_clock",
+    "optimizer_options",
     "pin_to_one_core",
     "share_one_core",
     "synchronize",
@@ -57,6 +58,13 @@ def on_simulated() -> bool:
     """Is this rank on a simulated machine (`Cluster.simulated()`: FakeTensors, modelled operator times)?"""
     cluster = current_cluster()
     return cluster is not None and cluster.is_simulated
+
+
+def optimizer_options() -> dict[str, bool]:
+    """Keyword arguments for a torch optimizer made on this rank: on a simulated GPU, what torch picks for
+    CUDA tensors by default (`foreach=True`: one kernel per group of tensors, not a loop over them, which is
+    the default only for CUDA tensors); nothing elsewhere (torch's own default)."""
+    return {"foreach": True} if on_simulated() else {}
 
 
 def on_gpu() -> bool:

@@ -161,7 +161,8 @@ class _Pipeline:
         last = [st for st in self.stages if st.is_last]
         loss = _timed_loss(self.log, last[0].stage_index) if last else gpt_loss
         self.schedule = make_schedule(self.stages, plan.schedule, plan.micro_batches, loss)
-        self.opt = torch.optim.SGD([p for st in self.stages for p in st.submod.parameters()], lr=lr)
+        params = [p for st in self.stages for p in st.submod.parameters()]
+        self.opt = torch.optim.SGD(params, lr=lr, **runtime.optimizer_options())
         names = layer_names(config)
         starts = [sum(plan.sizes[:k]) for k in range(len(plan.sizes) + 1)]
         cluster = runtime.current_cluster()

@@ -242,7 +242,7 @@ def max_micro_batch(
     device = runtime.device()
     model = seeded_model(config, seed, device, checkpointing=checkpointing)
     forward = Forward(model, precision == "autocast")
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, **runtime.optimizer_options())
 
     def step(batch: int) -> None:
         try:

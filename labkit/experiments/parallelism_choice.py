@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from labkit import device_memory, runtime, timer
 from labkit.cluster import Cluster
-from labkit.experiments.params import LabParams, ParamError, gpt_param, param
+from labkit.experiments.params import SIMULATED_CLUSTERS, LabParams, ParamError, gpt_param, param
 from labkit.experiments.script import LabRecords, Meaning, Where, emulated_cluster, main
 from labkit.layout import Layout
 from labkit.links import Link, Topology, bus_bandwidth_factor
@@ -134,7 +134,7 @@ class _LayoutRun:
         else:
             self.module, self.schedule = model, None
         self.params = list(self.module.parameters())
-        self.opt = torch.optim.Adam(self.params, lr=lr)
+        self.opt = torch.optim.Adam(self.params, lr=lr, **runtime.optimizer_options())
 
     def forward_backward(self, step: int) -> list[torch.Tensor]:
         """The replica's rows of global batch `step`, forward and backward in micro-batches; its losses."""
@@ -273,7 +273,7 @@ def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: i
     tp ranks, its 1/tp of the FLOPs still take every operator's dispatch."""
     dev = runtime.device()
     model = seeded_model(config, seed, dev)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **runtime.optimizer_options())
     x, y = synthetic_batch(config, micro_batch, seed=seed, device=dev)
     block_f, head_f = forward_flops_per_token(config)
     flops = 3 * micro_batch * config.seq_len * (config.n_layers * block_f + head_f)
@@ -319,8 +319,9 @@ class Params(LabParams):
 
     cluster: str = param(
         "cpu",
-        "the emulated cluster (cpu): this lab needs two nodes; auto or gpu under torchrun",
-        choices=("auto", "cpu", "gpu"),
+        "the emulated cluster (cpu): this lab needs two nodes; auto or gpu under torchrun; sim:dgx-h100 (or "
+        "another preset): simulated nodes of 8 GPUs, as many as the ranks fill",
+        choices=("auto", "cpu", "gpu", *SIMULATED_CLUSTERS),
     )
     world_size: int = param(8, "GPUs in all (emulated: nodes x world_size / nodes)", minimum=1)
     nodes: int = param(2, "emulated nodes (under torchrun: torchrun's)", minimum=1)
@@ -435,7 +436,7 @@ def headline(w: Where, p: Params) -> LabRecords:
     The planner plans for these ranks with `memory_mib` per GPU and this machine's measured rates; every
     layout it accepts is measured, and the mistake.
     """
-    if not w.torchrun:  # the emulated cluster of the notebook: `nodes` nodes sharing the ranks
+    if not w.torchrun and not w.simulated:  # the notebook's emulated cluster: `nodes` nodes sharing the ranks
         p.for_nodes(p.nodes)
         w = emulated_cluster(w, nodes=p.nodes, gpus_per_node=w.world_size // p.nodes)
     config = p.config()

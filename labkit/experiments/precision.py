@@ -53,7 +53,7 @@ class _Run:
     ) -> None:
         self.config, self.dtype, self.seed, self.device = config, dtype, seed, device
         self.model = seeded_model(config, seed, device)  # every variant starts from these weights
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, **runtime.optimizer_options())
         # A disabled GradScaler passes the loss and the step through unchanged (torch.amp docs).
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
 

@@ -150,6 +150,9 @@ def where(cluster: str, world_size: int) -> Where:
         )
         return Where(n, "auto", nodes, per_node, True, gpu, label)
     resolved = Cluster.resolve(cluster, world_size)
+    if resolved.is_simulated:  # the preset's nodes, as many as the ranks fill
+        nodes, per_node = resolved.nodes, min(world_size, resolved.gpus_per_node)
+        return Where(world_size, resolved, nodes, per_node, False, False, resolved.label)
     return Where(world_size, resolved, 1, world_size, False, not resolved.is_emulated, resolved.label)
 
 

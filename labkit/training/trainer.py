@@ -67,10 +67,10 @@ class Forward(nn.Module):
 
 def _optimizer(job: TrainingJob, params: Any) -> torch.optim.Optimizer:
     if job.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=job.lr)
+        return torch.optim.SGD(params, lr=job.lr, **runtime.optimizer_options())
     if job.optimizer == "adam":
-        return torch.optim.Adam(params, lr=job.lr)
-    return torch.optim.AdamW(params, lr=job.lr)
+        return torch.optim.Adam(params, lr=job.lr, **runtime.optimizer_options())
+    return torch.optim.AdamW(params, lr=job.lr, **runtime.optimizer_options())
 
 
 class Trainer:

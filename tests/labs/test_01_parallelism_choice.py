@@ -43,6 +43,18 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
     expect(run_solution(LAB), check_common)
 
 
+def test_the_script_on_two_simulated_dgx_h100_nodes_picks_a_fast_layout(simulated_lab):
+    """16 simulated H100s on two nodes (NVLink inside, InfiniBand between), a 4-block model, one micro-batch
+    size: tensor parallelism over both nodes pays its all-reduces over InfiniBand, and the planner's pick,
+    planned with the rates measured there, is the fastest layout measured (the full defaults: 76 s)."""
+    rec = simulated_lab(
+        LAB, 16, "--set", "steps", "1", "--set", "n_layers", "4", "--set", "micro_batches", "[8]"
+    )
+    assert rec["where"] == "simulated H100-SXM5-80GB" and rec["nodes"] == 2
+    assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
+    assert rec["pick"] != "dp1 x tp16 x pp1"
+
+
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
     lab_matches_solution(LAB)
 
