@@ -33,7 +33,7 @@ def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_s
     if not torchrun:  # Narayanan et al.'s four pp=1 rows on a simulated DGX A100, near the paper's throughput
         table = rec["simulated_table_1"]
         assert [r["model"] for r in table] == ["1.7B", "3.6B", "7.5B", "18.4B"]
-        assert all(0.65 < r["simulated_tflops"] / r["paper_tflops"] < 1.35 for r in table)
+        assert all(1 / 1.5 < r["simulated_tflops"] / r["paper_tflops"] < 1.5 for r in table)
         assert {r["label"] for r in table} == {"simulated A100-SXM4-80GB"}
     if torchrun and world_size == 2:
         assert layouts == {"dp2 x tp1 x pp1", "dp1 x tp2 x pp1", "dp1 x tp1 x pp2"}
