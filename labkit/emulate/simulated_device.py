@@ -41,7 +41,7 @@ from labkit.op_time import GpuSpec
 __all__ = ["OpTimes", "SimulatedDevice", "active_simulated_device"]
 
 _aten = torch.ops.aten
-_MATMULS = {_aten.mm: "mm", _aten.addmm: "addmm", _aten.bmm: "bmm", _aten.baddbmm: "baddbmm"}
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
 # Fused attention: (forward or backward, the position of is_causal among the arguments). The CPU kernel
 # is what runs here; the CUDA ones are what runs on the described GPU (their FLOPs are the same).
 _ATTENTION = {
@@ -55,8 +55,6 @@ _ATTENTION = {
 _FREE = {
     _aten.detach, _aten.lift_fresh, _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided
 }
-
-
 # Namespaces of operators that launch no kernel: metadata (prim.device) and the profiler's range markers.
 _NO_KERNEL = {"prim", "profiler"}
 # In-place operators that overwrite their first argument without reading it.
@@ -96,8 +94,8 @@ class OpTimes:
 class SimulatedDevice(compat.TorchDispatchMode):
     """Time each operator on `gpu` (onto `clock` when given) and hold live storage bytes to the card.
 
-    Enter it inside a FakeTensorMode. `limit_bytes` defaults to the card's memory; `rank` and `label` go
-    into the OOM message. `times` says where the modelled time went; `allocated` and `peak` are bytes.
+    Enter it inside a FakeTensorMode. `limit_bytes` defaults to the card's memory; `rank` goes into the OOM
+    message. `times` says where the modelled time went; `allocated` and `peak` are bytes.
     """
 
     def __init__(
