@@ -234,10 +234,12 @@ class SimulatedDevice(compat.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func.overloadpacket in _FREE or func.namespace in _NO_KERNEL:
+        if func.namespace in _NO_KERNEL:
             return out
-        for t in _tensors(out):
+        for t in _tensors(out):  # a new storage is counted, whatever made it (a view's is its base's)
             self._count(t)
+        if func.is_view or func.overloadpacket in _FREE:
+            return out
         kind, seconds, flops = self.op_seconds(func, args, kwargs, out)
         self.times.ops[kind] += 1
         self.times.flops += flops

@@ -118,3 +118,14 @@ def test_torch_ddp_is_refused_with_the_python_equivalent_and_overlapped_ddp_runs
     for refused, step_s, waited_s in results:
         assert "cannot run on a simulated machine" in refused and "OverlappedDDP" in refused
         assert 0 < waited_s < 0.5 * step_s
+
+
+def _too_much(gib: int) -> None:
+    torch.empty(gib * 2**30, dtype=torch.uint8)
+
+
+def test_a_rank_that_outgrows_the_simulated_card_fails_with_the_cards_oom():
+    oom = r"H100-SXM5-80GB out of memory \(simulated\).*Tried to allocate 81"
+    with pytest.raises(labkit.RankError, match=oom):
+        labkit.launch(_too_much, 81, world_size=2, cluster="sim:dgx-h100")
+    assert labkit.launch(_too_much, 79, world_size=2, cluster="sim:dgx-h100") == [None, None]
