@@ -59,6 +59,24 @@ def _where_labs_run(gpus: int) -> None:
         else:
             where = f"emulated cluster: {ranks} ranks, no GPU here"
         print(f"          {name:24} {where}")
+    simulable = [name for name in registry.LABS if _runs_simulated(registry.params_of(name))]
+    if simulable:
+        print(
+            f"simulated labs {', '.join(n[:2] for n in simulable)} also run as scripts on a simulated DGX at "
+            f"GPU sizes, no GPU needed, e.g. python -m {registry.module_of(simulable[0])} --cluster "
+            "sim:dgx-h100 --world-size 8 (README: A simulated DGX)"
+        )
+
+
+def _runs_simulated(params: type) -> bool:
+    """Does this lab's script take a simulated machine (its cluster field offers one)?"""
+    from labkit.validate import ParamError
+
+    try:
+        params.make({"cluster": "sim:dgx-h100"}, "set")
+    except ParamError:
+        return False
+    return True
 
 
 def _smoke(world_size: int) -> float:

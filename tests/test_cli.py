@@ -226,3 +226,11 @@ def _session(sid: int) -> str:
     """The processes left in session `sid` (the labkit run a test started and its children), a line each."""
     ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(sid)], capture_output=True, text=True)
     return ps.stdout.strip()
+
+
+def test_doctor_names_the_labs_that_run_on_a_simulated_machine(capsys):
+    from labkit import cli
+
+    cli._where_labs_run(0)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("simulated"))
+    assert "labs 00, 01, 02, 03, 04 " in line and "--cluster sim:dgx-h100" in line
