@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from labkit import _torch_compat as compat
 from labkit import emulate
 from labkit.cluster import Cluster
 
@@ -31,6 +32,7 @@ __all__ = [
     "pin_to_one_core",
     "share_one_core",
     "synchronize",
+    "value_of",
     "warm_heap",
 ]
 
@@ -65,6 +67,11 @@ def optimizer_options() -> dict[str, bool]:
     CUDA tensors by default (`foreach=True`: one kernel per group of tensors, not a loop over them, which is
     the default only for CUDA tensors); nothing elsewhere (torch's own default)."""
     return {"foreach": True} if on_simulated() else {}
+
+
+def value_of(t: torch.Tensor) -> float:
+    """A one-element tensor's value, or NaN for a FakeTensor: a simulated machine computes no values."""
+    return float("nan") if compat.is_fake(t) else float(t)
 
 
 def on_gpu() -> bool:

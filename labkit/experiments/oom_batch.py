@@ -159,9 +159,7 @@ def dp_train(
         lr=1e-3,
         precision=precision,
         checkpointing=checkpointing,
-        # torch DDP's C++ reducer reads storage, which a simulated machine's FakeTensors lack: labkit's Python
-        # equivalent buckets and all-reduces the same gradients there (labkit.parallel.data.make_ddp says so)
-        grad_sync="overlapped" if runtime.on_simulated() else "ddp",
+        grad_sync="ddp",  # labkit's OverlappedDDP on a simulated machine (training.grad_sync.make_grad_sync)
         bucket_cap_mb=bucket_cap_mb,
         seed=seed,
     )
@@ -206,7 +204,7 @@ def dp_train(
         buckets=len({index for index, _ in calls}),
         allreduce_bytes=sum(nbytes for _, nbytes in calls),
         step_ms=span.ms,
-        loss=float("nan") if runtime.on_simulated() else float(losses[-1]),  # no values when simulated
+        loss=runtime.value_of(losses[-1]),  # NaN on a simulated machine, which computes no values
         grads_array=grads,
         breakdown=measured,
     )

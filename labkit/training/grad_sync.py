@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import emulate
+from labkit import emulate, runtime
 from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive, make_ddp
 from labkit.trace.commlog import CommLog
 
@@ -201,7 +201,11 @@ def make_grad_sync(
     bucket_cap_mb: float,
     ddp_class: type[OverlappedDDP] | None = None,
 ) -> GradSync:
-    """The `GradSync` of `TrainingJob.grad_sync` `kind` around `model`."""
+    """The `GradSync` of `TrainingJob.grad_sync` `kind` around `model`. On a simulated machine "ddp" is
+    labkit's `OverlappedDDP`: torch DDP's C++ reducer reads storage, which FakeTensors lack
+    (`labkit.parallel.data.make_ddp` says so); both bucket the gradients and all-reduce them from hooks."""
+    if kind == "ddp" and runtime.on_simulated():
+        kind = "overlapped"
     if kind == "per_tensor":
         return PerTensor(model, process_group, log)
     if kind == "overlapped":

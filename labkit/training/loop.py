@@ -122,7 +122,13 @@ def train_jobs(
         measured = t[warmup:]
         out.append(
             JobResult(
-                trainer.job, rank, measured, statistics.median(measured), float(loss), str(path.parent), peak
+                trainer.job,
+                rank,
+                measured,
+                statistics.median(measured),
+                runtime.value_of(loss),  # NaN on a simulated machine
+                str(path.parent),
+                peak,
             )
         )
     return out

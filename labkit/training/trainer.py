@@ -105,6 +105,12 @@ class Trainer:
         self.opt = _optimizer(job, self.model.parameters())
         share = job.global_batch // self.world
         passes = 0
+        if job.tokenize == "in_loader" and runtime.on_simulated():
+            raise RuntimeError(
+                "a tokenizer in the loop (tokenize='in_loader') is host Python, which a simulated machine "
+                "neither runs on real tokens nor times: run a data-loading lesson on the emulated cluster "
+                "(cluster='cpu') or on GPUs"
+            )
         if (
             job.tokenize == "in_loader"
         ):  # the tokenizer costs about `tokenizer_cost` of a step, on this machine
