@@ -229,8 +229,8 @@ def _session(sid: int) -> str:
 
 
 def test_doctor_names_the_labs_that_run_on_a_simulated_machine(capsys):
-    from labkit import cli
+    from labkit.course.doctor import where_labs_run
 
-    cli._where_labs_run(0)
+    where_labs_run(0)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("simulated"))
     assert "labs 00, 01, 02, 03, 04, 05 " in line and "--cluster sim:dgx-h100" in line
