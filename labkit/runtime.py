@@ -92,9 +92,10 @@ def synchronize() -> None:
     no-op on the CPU)."""
     if on_gpu() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    simulated = emulate.active_simulated_device()
-    if simulated is not None:
-        simulated.synchronize()
+    if on_simulated():
+        simulated = emulate.active_simulated_device()
+        if simulated is not None:
+            simulated.synchronize()
 
 
 def pin_to_one_core(rank: int) -> None:
