@@ -1,8 +1,10 @@
 """The simulated GPU of a rank: every operator takes its time on a described GPU, memory is the card's.
 
 `SimulatedDevice` is a TorchDispatchMode that sits above a FakeTensorMode: the rank's real PyTorch program
-runs at GPU size on tensors with shapes and dtypes but no storage, so a 7B-wide layer costs no CPU time, and
-each operator it dispatches:
+runs at GPU size on tensors with shapes and dtypes but no storage, so its CPU time follows the operators'
+count, not their size (measured: the forward and backward of a Llama-2-7B-shaped GPT at 4096 tokens in bf16,
+946 operators, took 0.42 s of CPU on a 2-core VM for 282 ms of simulated H100 time); each operator it
+dispatches:
 
 * advances the rank's modelled clock (`clock.VirtualClock(modelled=True).spend`) by its kernel's time on
   the described GPU, `labkit.op_time.kernel_s`: a matmul (`mm`, `addmm`, `bmm`, `baddbmm`) by its shape, an
