@@ -32,7 +32,16 @@ from labkit import validate
 
 M = TypeVar("M", bound=nn.Module)
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "check_tp_size", "on_device", "seeded_model", "synthetic_batch"]
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "GPTConfig",
+    "check_tp_size",
+    "gpt_in",
+    "on_device",
+    "seeded_model",
+    "synthetic_batch",
+]
 
 
 @dataclass
@@ -330,6 +339,17 @@ def seeded_model(
     single-process reference) that makes it with the same seed starts from the same weights."""
     torch.manual_seed(seed)
     return on_device(GPT(config, checkpointing=checkpointing), device)
+
+
+def gpt_in(config: GPTConfig, dtype: torch.dtype, *, checkpointing: bool = False) -> GPT:
+    """`GPT(config)` with its parameters made in `dtype` (a 16-bit model, trained without autocast). Made so
+    rather than cast: `module.to(dtype)` swaps each parameter, which FakeTensors refuse."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return GPT(config, checkpointing=checkpointing)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def on_device(module: M, device: torch.device | str) -> M:

@@ -33,7 +33,7 @@ from labkit import device_memory, emulate, launcher, timer
 from labkit.cluster import Cluster
 from labkit.layout import Layout
 from labkit.links import collective_time_s
-from labkit.models import GPT, GPTConfig
+from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.tensor import tensor_parallel
 
 __all__ = ["TABLE_1", "PublishedRun", "SimulatedRun", "megatron_flops", "simulate", "table"]
@@ -122,11 +122,7 @@ class SimulatedRun:
 
 def _replica(config: GPTConfig, micro_batch: int) -> dict[str, float]:
     """On each tensor-parallel rank of one replica: two micro-batches, then the optimizer; in seconds."""
-    torch.set_default_dtype(torch.bfloat16)  # 16-bit like the paper's fp16; FakeTensors cannot be cast later
-    try:
-        model = GPT(config, checkpointing=True)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    model = gpt_in(config, torch.bfloat16, checkpointing=True)  # 16-bit, like the paper's fp16
     if dist.get_world_size() > 1:
         tensor_parallel(model, None)
     params = list(model.parameters())

@@ -11,19 +11,10 @@ from labkit import op_time
 from labkit.cluster import Cluster
 from labkit.emulate import SimulatedDevice, VirtualClock, active_budget
 from labkit.memory import estimate
-from labkit.models import GPT, GPTConfig
+from labkit.models import GPT, GPTConfig, gpt_in
 from labkit.planner import forward_flops_per_token
 
 H100 = Cluster.preset("dgx-h100").gpu_spec()
-
-
-def _bf16_gpt(config: GPTConfig) -> GPT:
-    """A GPT built in bf16 (FakeTensor parameters cannot be cast in place)."""
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        return GPT(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 def test_a_matmul_advances_the_clock_by_its_modelled_time_and_a_view_by_nothing():
@@ -54,7 +45,7 @@ def test_a_gpt_step_at_gpu_size_counts_the_planners_flops():
     tokens, s, d = 2048, 2048, 4096
     clock = VirtualClock(modelled=True)
     with compat.fake_tensor_mode():
-        model = _bf16_gpt(cfg)
+        model = gpt_in(cfg, torch.bfloat16)
         x = torch.zeros(1, s, dtype=torch.long)
         with SimulatedDevice(H100, clock) as dev:
             dev.track(model)
