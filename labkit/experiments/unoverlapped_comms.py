@@ -366,6 +366,7 @@ class Params(LabParams):
         "sweep_caps_mb": [1e-6, 25.0, 100.0, 400.0],
     }
     LAB = "03_unoverlapped_comms"
+    NOTEBOOK_SIMULATED = True  # its exercise is checked on the emulated cluster, the rest runs there
     ONE_GPU = "its lesson is gradient communication between ranks"
     TEST = {"cluster": "cpu"}
     SMOKE = {"n_layers": 2, "d_model": 32, "seq_len": 16, "micro_batch": 4, "steps": 2}
