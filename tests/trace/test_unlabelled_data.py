@@ -55,9 +55,10 @@ def _jobs(config: GPTConfig, trace_dir: str, batch: int) -> None:
     step_s = (time.thread_time() - t0) / 3
     t0 = time.thread_time()
     _tokenize(config, 20)
-    # the work costs about one step's compute: at this size the emulated link's waits are half the step, and
-    # its share of the step was 22-23 % in runs here, above diagnose's 15 % (half a step's compute: 13-20 %)
-    passes = max(1, round(1.0 * step_s / batch / ((time.thread_time() - t0) / 20)))
+    # the work costs about one and a half steps' compute: at this size the emulated link's waits are half the
+    # step; one step's worth read 22-23 % of the step in runs here but once below diagnose's 15 % in a busy
+    # full suite (its size is timed on three steps), and half a step's 13-20 %: one and a half keeps a margin
+    passes = max(1, round(1.5 * step_s / batch / ((time.thread_time() - t0) / 20)))
     passes = int(torch.tensor(passes).max())  # every rank alike (a local value is enough here)
 
     loader = iter(torch.utils.data.DataLoader(_Texts(config, 4 * batch, passes), batch_size=batch))
