@@ -13,7 +13,11 @@ The kernel logs only its critical errors: a cell's error is in the executed note
 in the kernel's log, whose ERROR lines were noise in passing runs: jupyter_client interrupts the kernel before
 every shutdown (`KernelManager._async_shutdown_kernel`), and an idle ipykernel logs "KeyboardInterrupt caught
 in kernel" when that SIGINT lands while it handles a message; after Ctrl-C it logged the closed sockets'
-ZMQError tracebacks. Its event loop logs nothing either (`_QUIET_ASYNCIO`)."""
+ZMQError tracebacks. Its event loop logs nothing either (`_QUIET_ASYNCIO`). Nor does papermill's client
+print its errors (`_QuietErrors`): each is what `Execution` reports (a dead kernel, a cell over its limit), and
+"Kernel died while waiting for execute reply." printed beside the one line of an interrupted run, when
+Ctrl-C's SIGINT reached the kernel before the client saw it (nbclient logs it with no handler configured, so
+Python's last-resort handler wrote it to stderr)."""
 
 from __future__ import annotations
 
@@ -66,6 +70,13 @@ _QUIET_ASYNCIO = (
 )
 
 
+class _QuietErrors(logging.Filter):
+    """Drops the papermill logger's ERROR records (its warnings pass): see the module docstring."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
 def execute(
     path: str | Path,
     out: str | Path,
@@ -81,6 +92,9 @@ def execute(
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    quiet = _QuietErrors()
+    papermill_log = logging.getLogger("papermill")
+    papermill_log.addFilter(quiet)
     try:
         papermill.execute_notebook(
             str(path),
@@ -115,6 +129,8 @@ def execute(
         return Execution(
             out, False, time.perf_counter() - t0, f"{type(exc).__name__}: {first}", type(exc).__name__, first
         )
+    finally:
+        papermill_log.removeFilter(quiet)
     return Execution(out, True, time.perf_counter() - t0)
 
 

@@ -37,3 +37,29 @@ def test_a_passing_run_that_launches_ranks_prints_nothing_from_the_kernel(tmp_pa
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stdout + proc.stderr
     assert proc.stderr.strip() == "", proc.stderr
+
+
+_DEAD_DRIVER = """
+import sys
+from labkit.course.execute import execute
+done = execute(sys.argv[1], sys.argv[2] + "/out.ipynb")
+print(done.ok, done.ename)
+"""
+
+
+def test_a_kernel_that_dies_is_reported_in_the_execution_not_printed_by_papermill(tmp_path: Path, labkit_env):
+    """A kernel that dies mid-cell (as one did when Ctrl-C's SIGINT reached it first, in CI): nbclient logs
+    "Kernel died while waiting for execute reply." through papermill's logger, which has no handler, so Python
+    printed it to stderr beside `labkit run`'s one line; the death is in the returned `Execution` instead."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import os\nos._exit(1)")]
+    nbformat.write(nb, tmp_path / "dies.ipynb")
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEAD_DRIVER, str(tmp_path / "dies.ipynb"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=labkit_env,
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["False", "DeadKernelError"], proc.stdout + proc.stderr
+    assert "Kernel died" not in proc.stderr, proc.stderr
