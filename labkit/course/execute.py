@@ -14,8 +14,8 @@ in the kernel's log, whose ERROR lines were noise in passing runs: jupyter_clien
 every shutdown (`KernelManager._async_shutdown_kernel`), and an idle ipykernel logs "KeyboardInterrupt caught
 in kernel" when that SIGINT lands while it handles a message; after Ctrl-C it logged the closed sockets'
 ZMQError tracebacks. Its event loop logs nothing either (`_QUIET_ASYNCIO`). Nor does papermill's client
-print its errors (`_QuietErrors`): each is what `Execution` reports (a dead kernel, a cell over its limit), and
-"Kernel died while waiting for execute reply." printed beside the one line of an interrupted run, when
+print its errors (`_QuietErrors`): each is what `Execution` reports (a dead kernel, a cell over its limit),
+and "Kernel died while waiting for execute reply." printed beside the one line of an interrupted run, when
 Ctrl-C's SIGINT reached the kernel before the client saw it (nbclient logs it with no handler configured, so
 Python's last-resort handler wrote it to stderr)."""
 

@@ -61,5 +61,6 @@ def test_a_kernel_that_dies_is_reported_in_the_execution_not_printed_by_papermil
         timeout=300,
         env=labkit_env,
     )
-    assert proc.returncode == 0 and proc.stdout.split() == ["False", "DeadKernelError"], proc.stdout + proc.stderr
+    ran = proc.stdout.split()
+    assert proc.returncode == 0 and ran == ["False", "DeadKernelError"], proc.stdout + proc.stderr
     assert "Kernel died" not in proc.stderr, proc.stderr
