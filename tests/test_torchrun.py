@@ -13,7 +13,7 @@ import pytest
 from labkit import torchrun
 
 
-def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
+def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path, labkit_env):
     script = tmp_path / "experiment.py"
     script.write_text(
         textwrap.dedent(
@@ -56,6 +56,7 @@ def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        env=labkit_env,  # this checkout's labkit, wherever (or whether) it is pip-installed
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULTS [3.0, 3.0] group kept" in proc.stdout
@@ -68,7 +69,7 @@ def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path):
     # timeout, its error would be that timeout's, not a RankError naming rank 1's ValueError
 
 
-def test_a_raise_under_torchrun_is_reported_while_a_peer_is_blocked_in_a_collective(tmp_path):
+def test_a_raise_under_torchrun_is_reported_while_a_peer_is_blocked_in_a_collective(tmp_path, labkit_env):
     # rank 0 raises before the all-reduce that rank 1 waits in: a gather behind it would wait for the
     # collective's 90 s timeout (the NCCL watchdog's on GPUs). Through the store rank 0 reports at once,
     # exits 2, and torchrun's agent stops rank 1: the run ends well inside subprocess.run's 60 s.
@@ -100,6 +101,7 @@ def test_a_raise_under_torchrun_is_reported_while_a_peer_is_blocked_in_a_collect
         capture_output=True,
         text=True,
         timeout=60,
+        env=labkit_env,
     )
     assert proc.returncode != 0
     assert "RANKERROR on 0: rank 0 raised ValueError: boom before the all-reduce" in proc.stdout, proc.stderr[
