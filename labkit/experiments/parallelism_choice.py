@@ -287,18 +287,26 @@ def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: i
         opt.zero_grad(set_to_none=False)
         best_fb, best_opt = min(best_fb, t1 - t0), min(best_opt, t2 - t1)
     n = config.num_params()
-    where = "this GPU" if dev.type == "cuda" else "this CPU"
+    simulated = runtime.on_simulated()
+    cluster = runtime.current_cluster()
+    where = "this CPU"
+    if dev.type == "cuda" or (simulated and cluster):
+        where = "this GPU" if dev.type == "cuda" else f"a {cluster.label}"
     return Rates(
         flops / best_fb,
         best_opt / n,
         f"measured on {where}: {flops / best_fb / 1e9:.1f} GFLOP/s in forward + backward at micro-batch "
         f"{micro_batch}, Adam {best_opt / n * 1e9:.2f} ns per parameter",
-        DISPATCH_S if dev.type == "cuda" else 0.0,
+        # the host's time per operator: a GPU's and a simulated one's (which charges it to every operator)
+        DISPATCH_S if dev.type == "cuda" or simulated else 0.0,
     )
 
 
 def median_rates(per_rank: list[Rates]) -> Rates:
-    """One `Rates` from every rank's `measure_rates` (run together, so they shared the cores as in a run)."""
+    """One `Rates` from every rank's `measure_rates` (run together, so they shared the cores as in a run); one
+    rank's as it is."""
+    if len(per_rank) == 1:
+        return per_rank[0]
     flops = statistics.median(r.flops_per_s for r in per_rank)
     opt = statistics.median(r.optimizer_s_per_param for r in per_rank)
     return Rates(
@@ -456,7 +464,12 @@ def headline(w: Where, p: Params) -> LabRecords:
             )
         )
 
-    rates = median_rates(w.launch(measure_rates, config, p.micro_batches[0], timeout_s=p.timeout_s))
+    rates = median_rates(
+        # every simulated GPU is the same described GPU and shares no core: one rank measures them all
+        w.launch(measure_rates, config, p.micro_batches[0], world_size=1, timeout_s=p.timeout_s)
+        if w.simulated
+        else w.launch(measure_rates, config, p.micro_batches[0], timeout_s=p.timeout_s)
+    )
     the_plan = plan(
         config,
         _described(w, p),

@@ -79,11 +79,12 @@ class Where:
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """`labkit.launch(fn, *args, world_size=..., cluster=..., **kwargs)` on these ranks (`cluster=` in
-        `kwargs` replaces this one: the same ranks with another memory budget)."""
+        `kwargs` replaces this one: the same ranks with another memory budget; `world_size=` runs fewer)."""
         from labkit.launcher import launch
 
         kwargs.setdefault("cluster", self.cluster)
-        return launch(fn, *args, world_size=self.world_size, **kwargs)
+        kwargs.setdefault("world_size", self.world_size)
+        return launch(fn, *args, **kwargs)
 
     def rank(self) -> int:
         """This process's rank under torchrun (0 in a plain script: it is the parent of the ranks)."""

@@ -53,6 +53,8 @@ def test_the_script_on_two_simulated_dgx_h100_nodes_picks_a_fast_layout(simulate
     assert rec["where"] == "simulated H100-SXM5-80GB" and rec["nodes"] == 2
     assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
     assert rec["pick"] != "dp1 x tp16 x pp1"
+    # one rank measured the rates (every simulated GPU is the same), with the host's time per operator
+    assert rec["rates"].startswith("measured on a simulated H100-SXM5-80GB:"), rec["rates"]
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
