@@ -411,6 +411,7 @@ class Params(LabParams):
     LAB = "04_imbalanced_pipeline"
     ONE_GPU = "a stage per rank; the notebook also profiles the layers on this GPU, beside the emulated costs"
     RANKS = "stages"
+    NOTEBOOK_SIMULATED = True  # its gradients are checked on the emulated cluster, the rest runs there
     TEST = {"cluster": "cpu"}
     SMOKE = {"n_layers": 4, "d_model": 32, "vocab_size": 1024, "seq_len": 16, "global_batch": 8, "steps": 1}
 
