@@ -289,9 +289,12 @@ def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: i
     n = config.num_params()
     simulated = runtime.on_simulated()
     cluster = runtime.current_cluster()
-    where = "this CPU"
-    if dev.type == "cuda" or (simulated and cluster):
-        where = "this GPU" if dev.type == "cuda" else f"a {cluster.label}"
+    if dev.type == "cuda":
+        where = "this GPU"
+    elif simulated and cluster:
+        where = f"a {cluster.label}"
+    else:
+        where = "this CPU"
     return Rates(
         flops / best_fb,
         best_opt / n,
@@ -464,11 +467,10 @@ def headline(w: Where, p: Params) -> LabRecords:
             )
         )
 
+    # every simulated GPU is the same described GPU and shares no core: one rank measures them all
+    ranks = 1 if w.simulated else w.world_size
     rates = median_rates(
-        # every simulated GPU is the same described GPU and shares no core: one rank measures them all
-        w.launch(measure_rates, config, p.micro_batches[0], world_size=1, timeout_s=p.timeout_s)
-        if w.simulated
-        else w.launch(measure_rates, config, p.micro_batches[0], timeout_s=p.timeout_s)
+        w.launch(measure_rates, config, p.micro_batches[0], world_size=ranks, timeout_s=p.timeout_s)
     )
     the_plan = plan(
         config,

@@ -18,6 +18,12 @@ print("ran")
 """
 
 
+def _drive(driver: str, notebook: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run `driver` (a script calling `execute`) on `notebook` in a fresh interpreter, its output captured."""
+    command = [sys.executable, "-c", driver, str(notebook), str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
 def test_a_passing_run_that_launches_ranks_prints_nothing_from_the_kernel(tmp_path: Path, labkit_env):
     """Two runs of a notebook that starts two ranks: jupyter_client interrupts every kernel before it shuts
     it down, which made ipykernel log "KeyboardInterrupt caught in kernel" in passing runs (issue 28, point 7)
@@ -28,13 +34,7 @@ def test_a_passing_run_that_launches_ranks_prints_nothing_from_the_kernel(tmp_pa
         nbformat.v4.new_code_cell("assert labkit.launch(f, world_size=2, cluster='cpu') == [1, 1]"),
     ]
     nbformat.write(nb, tmp_path / "two_ranks.ipynb")
-    proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, str(tmp_path / "two_ranks.ipynb"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=labkit_env,
-    )
+    proc = _drive(_DRIVER, tmp_path / "two_ranks.ipynb", tmp_path, labkit_env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stdout + proc.stderr
     assert proc.stderr.strip() == "", proc.stderr
 
@@ -54,13 +54,7 @@ def test_a_kernel_that_dies_is_reported_in_the_execution_not_printed_by_papermil
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("import os\nos._exit(1)")]
     nbformat.write(nb, tmp_path / "dies.ipynb")
-    proc = subprocess.run(
-        [sys.executable, "-c", _DEAD_DRIVER, str(tmp_path / "dies.ipynb"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=labkit_env,
-    )
+    proc = _drive(_DEAD_DRIVER, tmp_path / "dies.ipynb", tmp_path, labkit_env)
     ran = proc.stdout.split()
     assert proc.returncode == 0 and ran == ["False", "DeadKernelError"], proc.stdout + proc.stderr
     assert "Kernel died" not in proc.stderr, proc.stderr
