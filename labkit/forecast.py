@@ -132,16 +132,25 @@ def lesson_shows(before: float, after: float, limit: float, *, targets: str = "t
     return _ratios(before, after, limit, targets)[1]
 
 
-def verdict(before: float, after: float, limit: float, label: str, *, targets: str = "time") -> str:
-    """What a notebook prints under its measured numbers: the check, or that the lesson does not show here."""
+def verdict(
+    before: float,
+    after: float,
+    limit: float,
+    label: str,
+    *,
+    targets: str = "time",
+    hint: str = "see the forecast above for sizes where it shows",
+) -> str:
+    """What a notebook prints under its measured numbers: the check, or that the lesson does not show here
+    (then `hint`: where it would)."""
     ratios, shows = _ratios(before, after, limit, targets)
     numbers = ", ".join(f"{k} = {v:.2f}" for k, v in ratios.items()) + f" ({label})"
     if shows:
         return f"check passed: {numbers}"
     return (
         f"the lesson does not show on this machine: {numbers}; the course's targets are "
-        f"{_targets_text(targets)}. The effect is too small (or too large to hide) at these sizes here: see "
-        "the forecast above for sizes where it shows"
+        f"{_targets_text(targets)}. The effect is too small (or too large to hide) at these sizes here: "
+        f"{hint}"
     )
 
 

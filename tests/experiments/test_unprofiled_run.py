@@ -13,6 +13,8 @@ import pytest
 from labkit import Cluster, launch
 from labkit.experiments.unprofiled_run import (
     MYSTERY_KINDS,
+    SIMULATED_PER_TENSOR_RANKS,
+    Params,
     clean_job,
     fixed_job,
     kinds_that_show,
@@ -120,3 +122,24 @@ def test_the_jobs_plant_one_mistake_each_and_the_diagnosis_fixes_only_its_own():
         mystery_job(clean, "slow_disk", 2)
     with pytest.raises(ValueError, match=r"straggler_rank=2 must be a rank of the job, 0\.\.1"):
         mystery_job(clean, "straggler", 2, straggler_rank=2)
+
+
+def test_on_a_simulated_node_per_tensor_all_reduces_are_drawn_from_the_ranks_where_their_fix_shows(tmp_path):
+    """On simulated DGX H100 ranks the fix's buckets run in labkit's Python OverlappedDDP, whose bucket copies
+    cost host dispatches: fixing per-tensor all-reduces takes the step to <= 0.8x (the course's bar) from
+    SIMULATED_PER_TENSOR_RANKS ranks, not on fewer; kinds_that_show draws it from there on (virtual time)."""
+    p = Params()
+    ratio = {}
+    for n in (SIMULATED_PER_TENSOR_RANKS - 2, SIMULATED_PER_TENSOR_RANKS):
+        planted = mystery_job(clean_job(p.micro_batch, n), "per_tensor_allreduce", n)
+        fixed = fixed_job(planted, "small_collectives")
+        per_rank = launch(train_jobs, p.config(), [planted, fixed], str(tmp_path / str(n)), names=["b", "a"],
+                          steps=1, trace_steps=1, world_size=n, cluster="sim:dgx-h100", timeout_s=120)
+        before, after = ([rank[i] for rank in per_rank] for i in range(2))
+        ratio[n] = step_ms(after) / step_ms(before)
+        shows = "per_tensor_allreduce" in kinds_that_show(False, True, world_size=n)
+        assert shows == (ratio[n] <= 0.8), ratio
+    assert ratio[SIMULATED_PER_TENSOR_RANKS] <= 0.8 < ratio[SIMULATED_PER_TENSOR_RANKS - 2], ratio
+    assert kinds_that_show(False, True, world_size=2) == ["straggler"]
+    with pytest.raises(ValueError, match="needs world_size"):
+        kinds_that_show(False, True)

@@ -47,6 +47,21 @@ def test_the_script_on_a_simulated_dgx_h100_node_finds_and_fixes_its_mystery(sim
     assert rec["after"] / rec["before"] <= 0.8 and rec["limit"] <= rec["after"]
 
 
+def test_the_notebook_on_a_simulated_node_finds_and_fixes_its_mystery(run_solution):
+    """cluster="sim:dgx-h100", a DGX node's 8 ranks (one timed step: 42 s on the 2-core VM): the straggler and
+    per-tensor all-reduces show there (the tokenizer is not timed), the traces name each (the straggler on
+    either rank), and the mystery's fix meets the course's targets, labelled simulated."""
+    rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=8, steps=1, trace_steps=2)
+    assert rec["emulated"] and rec["planted"] == "straggler" and rec["diagnosed"] == "straggler"
+    assert rec["after"] / rec["before"] <= 0.8 and rec["limit"] <= rec["after"]
+    assert "simulated H100-SXM5-80GB" in rec["versus_clean"]
+    assert {(r["planted"], r["diagnosed"], r["rank"]) for r in rec["gallery"]} == {
+        ("straggler", "straggler", 1),
+        ("per_tensor_allreduce", "small_collectives", None),
+        ("straggler", "straggler", 0),
+    }
+
+
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
     lab_matches_solution(LAB)
 
