@@ -28,6 +28,7 @@ import torch.distributed as dist
 from labkit import _torch_compat as compat
 from labkit.emulate.clock import CLOCK_ENV, rank_clock
 from labkit.emulate.record import CollectiveRecord
+from labkit.emulate.simulated_device import active_simulated_device
 from labkit.emulate.timing import VirtualTiming, WallTiming, called_by_ddp_reducer, caller_frame
 from labkit.links import Link, Topology, collective_time_s
 
@@ -168,7 +169,9 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             token = self.timing.issue(op, seconds, peer, f"{op} #{seq}", nbytes)
             data = tensors if result is None else [*tensors, *result]
             inner_work = _NoTransfer() if any(compat.is_fake(t) for t in data) else start()
-            work = _ModelledWork(torch.futures.Future(), self.timing if virtual else None)
+            work = _ModelledWork(
+                torch.futures.Future(), self.timing if virtual else None, blocks_host=op == "barrier"
+            )
             self._pending.put((inner_work, token, work, seq, tensors if result is None else result))
             if virtual and op == "all_reduce" and called_by_ddp_reducer(caller_frame(2)):
                 self.timing.wait_at_end_of_backward(work)
@@ -326,11 +329,16 @@ class _ModelledWork(dist.Work):
     failed, which turned a peer that never joined a collective into a silent wrong result.)
     """
 
-    def __init__(self, fut: torch.futures.Future, timing: VirtualTiming | None = None) -> None:
+    def __init__(
+        self, fut: torch.futures.Future, timing: VirtualTiming | None = None, blocks_host: bool = False
+    ) -> None:
         super().__init__()
         self._fut = fut
         self.timing = timing  # None on the wall clock
         self.done_at: float | None = None  # virtual completion time, set before the future completes
+        # A barrier's wait blocks the host until the device is done, as NCCL's does (WorkNCCL::synchronize
+        # with a barrier tensor, ProcessGroupNCCL.cpp); another collective's wait only orders the streams.
+        self.blocks_host = blocks_host
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self.timing is None:
@@ -339,6 +347,9 @@ class _ModelledWork(dist.Work):
         with self.timing.clock.paused():  # what blocking costs the CPU is not compute
             self._fut.wait()
         self.timing.clock.advance_to(self.done_at)  # waiting costs virtual time
+        simulated = active_simulated_device() if self.blocks_host else None
+        if simulated is not None:  # the host, blocked until now, issues the next operator from here
+            simulated.synchronize()
         return True
 
     def is_completed(self) -> bool:

@@ -62,6 +62,30 @@ def test_a_rank_waits_in_simulated_time_for_a_peers_modelled_matmul():
     assert waited == pytest.approx(computed, abs=5e-9)  # rank 0 idles until rank 1 issues
 
 
+def _after_a_barrier(late_ops: int, ops: int) -> float:
+    """Rank 1 issues `late_ops` small operators before a barrier; then both ranks issue `ops`, host-bound,
+    with no timer reading between: the device time from the barrier's end to the last one's."""
+    x = torch.empty(16)
+    if dist.get_rank() == 1:
+        for _ in range(late_ops):
+            x.add_(1)
+    dist.barrier()
+    start = labkit.emulate.rank_clock().now()  # no synchronize: what the barrier itself leaves
+    for _ in range(ops):
+        x.add_(1)
+    return labkit.emulate.rank_clock().now() - start
+
+
+def test_a_barrier_blocks_the_host_so_a_rank_that_waited_in_it_gains_no_head_start():
+    """NCCL's barrier blocks the host until the device is done (WorkNCCL::synchronize with a barrier tensor):
+    rank 0, which waits in it for rank 1, has issued nothing meanwhile, so its next host-bound operators take
+    as long as rank 1's (before the fix, rank 0 ran them at kernel speed on host time it spent waiting)."""
+    node = Cluster.resolve("sim:dgx-h100", 2)
+    waited_first, late = labkit.launch(_after_a_barrier, 100, 50, world_size=2, cluster=node)
+    host_bound = pytest.approx(50 * DISPATCH_S, abs=2e-9)  # a 64-byte add's kernel is shorter than a dispatch
+    assert (waited_first, late) == (host_bound, host_bound)
+
+
 def _sweep(sizes: list[int]) -> list[dict]:
     return bandwidth_test(sizes, iters=3, warmup=1, dtype=torch.bfloat16)
 
