@@ -26,6 +26,13 @@ from labkit.op_time import FP32_PEAK_TFLOPS, GpuSpec
 __all__ = ["GPU", "PRESETS", "Cluster"]
 
 
+def _memory_words(gib: float | None) -> str:
+    """Each rank's memory in words; a lab may give it less than the card (lab 02: 48 MiB)."""
+    if gib is None:
+        return "no memory budget"
+    return f"{gib:g} GiB" if gib >= 1 else f"{gib * 1024:g} MiB"
+
+
 @dataclass(frozen=True)
 class GPU:
     """One GPU of a cluster, as torch.cuda reports it."""
@@ -301,11 +308,12 @@ class Cluster:
         """A few lines for a notebook or `labkit doctor`."""
         lines = []
         if self.kind in ("described", "simulated"):
+            memory = _memory_words(self.memory_gib)
             lines.append(
                 ("Simulated cluster (each operator timed on the described GPU, no numerics): "
                  if self.kind == "simulated" else "Described cluster (planning only): ")
                 + f"{self.nodes} node(s) x {self.gpus_per_node} "
-                f"{self.gpu_name}, {self.memory_gib:g} GiB and {self.peak_tflops:g} TFLOP/s (dense 16-bit) "
+                f"{self.gpu_name}, {memory} and {self.peak_tflops:g} TFLOP/s (dense 16-bit) "
                 "each"
             )
             for what, link in (("intra-node", self.intra_node), ("inter-node", self.inter_node)):

@@ -310,6 +310,8 @@ class Params(LabParams):
     GPU_SIZES = {"memory_mib": 48.0}
     GPU_SEQUENCES_PER_RANK = 64
     LAB = "02_oom_batch"
+    # its exercise's gradients are checked on the emulated cluster; the rest runs on the simulated machine
+    NOTEBOOK_SIMULATED = True
     ONE_GPU_RANKS = 1
     ONE_GPU = "its lessons are one rank's memory, and DDP on one rank still buckets and all-reduces"
     TEST = {"cluster": "cpu", "big_preset": "gpt2"}  # FakeTensors of gpt2, not of 7B: 1 s, not 9

@@ -249,11 +249,11 @@ def test_papermill_with_a_wrong_type_fails_in_the_cell_that_checks_it_with_the_f
     )
 
 
-@pytest.mark.parametrize("lab", ["01_parallelism_choice", "02_oom_batch"])
+@pytest.mark.parametrize("lab", ["01_parallelism_choice"])
 def test_a_notebook_that_needs_numerics_refuses_a_simulated_machine_naming_the_script(lab):
-    """Labs 01 and 02 run on a simulated machine as scripts; their notebooks' exercises compare values with a
-    single process, which a simulated machine does not compute: the cell and labkit run -p say so (labs 00,
-    03 and 04 check theirs on the emulated cluster and run the rest there; lab 05's exercise reads made-up
+    """Lab 01 runs on a simulated machine as a script; its notebook's exercises compare values with a single
+    process, which a simulated machine does not compute: the cell and labkit run -p say so (labs 00, 02, 03
+    and 04 check theirs on the emulated cluster and run the rest there; lab 05's exercise reads made-up
     breakdowns)."""
     from labkit.course.parameters import LabParamError, lab_parameters
 
