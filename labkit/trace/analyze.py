@@ -297,12 +297,16 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
         colls = _collectives(comm_events, compute, lo, hi, "comm:")
         host_step = host.steps[i] if host is not None and i < len(host.steps) else None
         syncs = _host_syncs(host, host_step.start_us, host_step.end_us) if host_step else []
+        # The host trace is on the wall clock, the device timeline on the virtual one: what the host did is
+        # carried over to the device step at the rank's own ratio of the two (on a simulated GPU the wall
+        # clock is FakeTensor dispatch, tens of times the modelled step: an optimizer's .item() on its CPU
+        # step counters, which costs a GPU nothing, read 105 % of the capstone's step there unscaled)
+        scale = _host_to_device(host, host_step, comm_events, lo, hi) if host_step is not None else 1.0
         python_us = 0.0
         if host_step is not None and not data_us:
             # Data loading the job did not name: what PyTorch records on the host (data_loading.py), carried
             # over to the device step (the virtual clock charges that work as compute, in its own time)
             found = data_time(host, host_step)
-            scale = _host_to_device(host, host_step, comm_events, lo, hi)
             data_us, python_us = _total(found.intervals) * scale, found.python_us * scale
         rows.append(
             dict(
@@ -313,7 +317,7 @@ def _device_breakdown(dev: Trace, host: Trace | None, rank: int) -> RankBreakdow
                 exposed=_total(subtract(comm, compute)) / 1e3,
                 data=data_us / 1e3,
                 python=python_us / 1e3,
-                sync=_total(syncs) / 1e3,
+                sync=_total(syncs) * scale / 1e3,
                 nsync=len(syncs),
                 colls=colls,
                 bytes=sum(c.nbytes or 0 for c in colls),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labkit import Cluster, RankError, launch
-from labkit.experiments.capstone import DEALT, draw, train
+from labkit.experiments.capstone import DEALT, GPU_MODEL, dealt, draw, train
 from labkit.training import MISTAKES, TrainingJob
 from labkit.training.job import job_name
 from labkit.training.mistakes import planted_by_knobs
@@ -38,6 +38,17 @@ def test_the_seed_deals_every_combination_and_hides_the_answer():
     with pytest.raises(ValueError, match="micro_batch"):
         TrainingJob(global_batch=16, micro_batch=3).check(2)
     assert job_name(TrainingJob(grad_sync="per_tensor")) == "grad_sync-per_tensor"
+
+
+def test_on_a_simulated_node_every_seed_deals_the_two_mistakes_the_simulation_times():
+    # a tokenizer in the loop and a logged accuracy are host Python, which a simulated GPU does not time, and
+    # the per-tensor all-reduces are left out as on GPUs: what is left is the OOM and the straggler, both
+    assert {draw(seed, simulated=True).planted for seed in range(40)} == {("oom_batch", "straggler")}
+    assert dealt(False, simulated=True, world_size=8) == ("oom_batch", "straggler")
+    cap = draw(0, simulated=True)
+    # the GPU sizes, and the memory of tensor bytes (no caching allocator's segments to leave slack for)
+    assert cap.model == GPU_MODEL and cap.memory_mib == draw(0, model=GPU_MODEL).memory_mib
+    assert cap.memory_mib < draw(0, on_gpu=True).memory_mib
 
 
 def test_the_gpu_memory_fits_the_clean_job_and_its_logging_but_not_the_whole_batch(tmp_path):

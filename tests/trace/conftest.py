@@ -27,14 +27,15 @@ def _step(n=0, start=0.0, dur=10.0):
     return _x(f"ProfilerStep#{n}", "user_annotation", start, dur)
 
 
-def _emulated(tmp: Path, rank: int, compute, colls, phases=(), host_ops=()) -> None:
+def _emulated(tmp: Path, rank: int, compute, colls, phases=(), host_ops=(), host_step_ms=10.0) -> None:
     """A host trace plus its device timeline, one 10 ms step: compute intervals (ms), collectives
-    (name, start, end, bytes), phases (name, start, end) and host ops (name, start, duration)."""
+    (name, start, end, bytes), phases (name, start, end) and host ops (name, start, duration); the host's
+    step lasts `host_step_ms` of its wall clock."""
     dev = [_step()] + [_x("compute", "kernel", a, b - a) for a, b in compute]
     dev += [_x(f"comm:{n}", "labkit_comm", a, b - a, tid=2, bytes=nb) for n, a, b, nb in colls]
     dev += [_x(f"phase:{n}", "labkit_phase", a, b - a, tid=3) for n, a, b in phases]
     _write(tmp / f"trace_rank{rank}.device.json", dev, rank)
-    host = [_step()] + [_x(n, "cpu_op", a, d) for n, a, d in host_ops]
+    host = [_step(dur=host_step_ms)] + [_x(n, "cpu_op", a, d) for n, a, d in host_ops]
     _write(tmp / f"trace_rank{rank}.json", host, rank)
 
 

@@ -33,6 +33,17 @@ def test_the_emulated_device_timeline_is_read_with_names_from_the_host_trace(tmp
     assert (c.waited_ms, c.compute_before_ms, c.compute_after_ms, c.nbytes) == (2, 4, 4, 2**20)
 
 
+def test_host_syncs_are_carried_to_the_device_step_at_the_ranks_ratio_of_the_two_clocks(tmp_path, traces):
+    # a simulated GPU: the host's wall clock (FakeTensor dispatch) spends 200 ms on a 10 ms modelled step, 20
+    # of them in 40 .item() calls on an optimizer's CPU step counters, which cost a GPU nothing; read on the
+    # wall clock they were twice the step (the capstone's clean job on a simulated node read 105 %)
+    items = [("aten::item", 5 * i, 0.5) for i in range(40)]
+    traces.emulated(tmp_path, 0, [(0, 10)], [], host_ops=items, host_step_ms=200.0)
+    (b,) = analyze(tmp_path)
+    assert b.host_syncs == 40 and b.host_sync_ms == pytest.approx(20 * 10 / 200)
+    assert b.step_ms == 10 and b.compute_ms == 10
+
+
 def test_gpu_kernels_decide_compute_and_communication(tmp_path, traces):
     # the host span "backward" covers everything, but only kernels count: compute 0-5, NCCL 3-7
     events = [
