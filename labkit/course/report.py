@@ -209,6 +209,16 @@ def _lab_section(e: dict[str, Any]) -> list[str]:
     return lines + ([""] if e["figures"] else [])
 
 
+def _measured_on(records: dict[str, Any]) -> str:
+    """Where a lab's numbers were measured, as its records say: a simulated machine (its `cluster` parameter,
+    "sim:<preset>"; the emulated cluster in all but compute, so it also records `emulated`), the emulated
+    cluster, or GPUs. Numbers that are not a GPU's are labelled so wherever they are shown."""
+    cluster = (records.get("params") or {}).get("cluster")
+    if isinstance(cluster, str) and cluster.startswith("sim:"):
+        return f"simulated {cluster.removeprefix('sim:')}"
+    return {True: "emulated cluster", False: "GPUs"}.get(records.get("emulated"), "")
+
+
 def _markdown(entries: list[dict[str, Any]], context: dict[str, Any] | None = None) -> str:
     counts: dict[str, int] = {}
     for entry in entries:
@@ -225,9 +235,8 @@ def _markdown(entries: list[dict[str, Any]], context: dict[str, Any] | None = No
     ]
     for e in entries:
         r = e["records"]
-        # Numbers from the emulated cluster are labelled so wherever they are shown.
-        world = {True: "emulated cluster", False: "GPUs"}.get(r.get("emulated"), "")
-        cells = [e["lab"], *(_fmt(r.get(k)) for k in HEADLINE_KEYS), world, e["status"], _fmt(e["seconds"])]
+        numbers = [_fmt(r.get(k)) for k in HEADLINE_KEYS]
+        cells = [e["lab"], *numbers, _measured_on(r), e["status"], _fmt(e["seconds"])]
         lines.append("| " + " | ".join(cells) + " |")
     for e in entries:
         lines += _lab_section(e)

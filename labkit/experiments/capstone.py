@@ -215,6 +215,7 @@ class Params(LabParams):
     trace_dir: str = param("traces_06", "the folder of the runs' traces (replaced on each run)")
 
     LAB = "06_capstone"
+    NOTEBOOK_SIMULATED = True  # its exercises are the memory formula and the knobs; the jobs run there
     ONE_GPU = "a data-parallel job of two ranks"
     TEST = {"cluster": "cpu"}
     SMOKE = {"steps": 1, "trace_steps": 2}

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.course.report import write_report
+from labkit.course.report import _measured_on, write_report
 from labkit.records import RECORD_MIME
 
 
@@ -96,3 +96,11 @@ def test_report_has_a_header_meanings_and_sweeps_as_tables(tmp_path):
     assert "- **before**: smallest message" in text
     assert "| size_bytes | busbw (MB/s) |" in text and "| 4096 | 8.2 |" in text
     assert "{'size_bytes'" not in text  # no raw dicts
+
+
+def test_a_lab_run_on_a_simulated_machine_is_labelled_simulated_not_emulated():
+    # a simulated machine is the emulated cluster in all but compute, so its notebooks record emulated=True;
+    # the report's "measured on" reads the lab's cluster parameter first
+    assert _measured_on({"emulated": True, "params": {"cluster": "sim:dgx-h100"}}) == "simulated dgx-h100"
+    assert _measured_on({"emulated": True, "params": {"cluster": "cpu"}}) == "emulated cluster"
+    assert _measured_on({"emulated": False}) == "GPUs" and _measured_on({}) == ""

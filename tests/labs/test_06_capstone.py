@@ -58,6 +58,17 @@ def test_the_script_on_a_simulated_dgx_h100_finds_the_oom_and_the_straggler(simu
     assert rec["peak_mib"]["fixed"] <= rec["peak_mib"]["memory"]
 
 
+def test_the_notebook_on_a_simulated_node_finds_and_fixes_the_oom_and_the_straggler(run_solution):
+    """cluster="sim:dgx-h100" (one timed step, two traced: about 20 s on the 2-core VM): the exercises are the
+    memory formula and the knobs, so they run as anywhere; the jobs and the check run on two simulated H100s."""
+    rec = run_solution(LAB, cluster="sim:dgx-h100", steps=1, trace_steps=2)
+    assert rec["found"] == ["oom_batch", "straggler"] and rec["oom_at_start"]
+    assert [r["mistake"] for r in rec["rows"]] == ["oom_batch", "straggler"]
+    assert all(r["found"] and r["fixed"] for r in rec["rows"])
+    assert rec["after"] == pytest.approx(rec["limit"]) and rec["after"] / rec["before"] < 0.81
+    assert "simulated H100-SXM5-80GB" in rec["versus_clean"]
+
+
 @pytest.mark.gpu
 def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common):
     rec = gpu_notebook(LAB)
