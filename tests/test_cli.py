@@ -233,4 +233,4 @@ def test_doctor_names_the_labs_that_run_on_a_simulated_machine(capsys):
 
     where_labs_run(0)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("simulated"))
-    assert "labs 00, 01, 02, 03, 04, 05 " in line and "--cluster sim:dgx-h100" in line
+    assert "labs 00, 01, 02, 03, 04, 05, 06 " in line and "--cluster sim:dgx-h100" in line

@@ -51,6 +51,25 @@ def test_on_a_simulated_node_every_seed_deals_the_two_mistakes_the_simulation_ti
     assert cap.memory_mib < draw(0, on_gpu=True).memory_mib
 
 
+def test_the_script_deals_the_simulated_capstone_on_a_simulated_node(monkeypatch):
+    # the script's headline asks for the deal of the machine it runs on (its whole run: the notebook's test)
+    from labkit.experiments import capstone
+    from labkit.experiments.script import Where
+
+    asked = {}
+
+    def deal(seed, **kwargs):
+        asked.update(kwargs)
+        raise KeyboardInterrupt  # stop before anything launches
+
+    monkeypatch.setattr(capstone, "draw", deal)
+    sim = Cluster.resolve("sim:dgx-h100", 2)
+    where = Where(2, sim, 1, 2, torchrun=False, on_gpu=False, label=sim.label)
+    with pytest.raises(KeyboardInterrupt):
+        capstone.headline(where, capstone.Params(cluster="sim:dgx-h100"))
+    assert asked == {"world_size": 2, "on_gpu": False, "simulated": True}
+
+
 def test_the_gpu_memory_fits_the_clean_job_and_its_logging_but_not_the_whole_batch(tmp_path):
     cap = draw(0)
     clean = cap.clean
