@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -298,6 +298,41 @@ def launch(
             "pass plain data, tensors and functions, not open files or locks."
         ) from exc
 
+    with _quick_name_lookups():
+        return _start_and_supervise(payload, world_size, resolved, float(timeout_s), deadline_s)
+
+
+# torch's TCPStore names the address of every connection it makes (c10d `formatSockAddr` -> `getnameinfo`,
+# in each client's `SocketImpl` and in the server's `LibUVStoreDaemon::onConnect`, which runs in this
+# process). The ranks connect over the IPv4-mapped ::ffff:127.0.0.1, which glibc's files backend does not
+# match against /etc/hosts' 127.0.0.1, so each is a reverse DNS query; where the resolver drops one, glibc
+# asks again after resolv.conf(5)'s default timeout of 5 s, and the store serves no rank meanwhile (strace
+# on the course's 2-core VM: 2 of 12 launches of 8 ranks stalled 5.1 s, in three runs out of three; with
+# timeout:1, 1.1 s, and the second answer arrives, so nothing is printed). A launch asks glibc to retry
+# after 1 s, unless RES_OPTIONS is set.
+_RESOLVER_OPTIONS = "timeout:1"
+
+
+@contextlib.contextmanager
+def _quick_name_lookups() -> Iterator[None]:
+    """RES_OPTIONS=timeout:1 in this process and its ranks while a launch runs, unless the user set it.
+
+    glibc reads RES_OPTIONS when a thread first resolves a name, so the store's server thread, made by the
+    launch, and the ranks take it; it is put back before the launch returns."""
+    if "RES_OPTIONS" in os.environ:
+        yield
+        return
+    os.environ["RES_OPTIONS"] = _RESOLVER_OPTIONS
+    try:
+        yield
+    finally:
+        os.environ.pop("RES_OPTIONS", None)
+
+
+def _start_and_supervise(
+    payload: bytes, world_size: int, resolved: Cluster, timeout_s: float, deadline_s: float | None
+) -> list[Any]:
+    """Start the ranks around a store of this process, supervise them, and clean up (`launch`)."""
     ctx = _mp_context()
     run_dir = Path(tempfile.mkdtemp(prefix="labkit-launch-"))
     store = dist.TCPStore(

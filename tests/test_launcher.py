@@ -560,3 +560,18 @@ def test_nccl_all_reduce(world_size):
     want = sum(r + 1 for r in range(world_size))
     assert [r[0] for r in results] == [want] * world_size
     assert all(r[1].startswith("cuda") for r in results)
+
+
+def _resolver_options() -> str | None:
+    return os.environ.get("RES_OPTIONS")
+
+
+def test_a_launch_asks_glibc_to_retry_a_lost_name_lookup_after_1_s_and_puts_the_environment_back(monkeypatch):
+    # torch's store looks up the name of every rank's address; a dropped query held the store 5 s
+    # (labkit/launcher.py, _quick_name_lookups)
+    monkeypatch.delenv("RES_OPTIONS", raising=False)
+    assert launch(_resolver_options, world_size=2, cluster=CPU) == ["timeout:1", "timeout:1"]
+    assert "RES_OPTIONS" not in os.environ
+    monkeypatch.setenv("RES_OPTIONS", "attempts:3")  # the user's own setting wins
+    assert launch(_resolver_options, world_size=2, cluster=CPU) == ["attempts:3", "attempts:3"]
+    assert os.environ["RES_OPTIONS"] == "attempts:3"
