@@ -38,10 +38,10 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
 
 
 def test_the_script_on_a_simulated_dgx_h100_node_finds_and_fixes_its_mystery(simulated_lab):
-    """Eight simulated H100s: the planted mistake is one the simulation times (a straggler or per-tensor
+    """Eight simulated H100s (one timed step, two traced: 20 s): the planted mistake is one the simulation times (a straggler or per-tensor
     all-reduces; a tokenizer in the loop is host Python, which it does not), the trace names it, and its fix
     moves the step towards the clean job's."""
-    rec = simulated_lab(LAB, 8)
+    rec = simulated_lab(LAB, 8, "--set", "steps", "1", "--set", "trace_steps", "2")
     assert rec["where"] == "simulated H100-SXM5-80GB"
     assert rec["planted"] in ("straggler", "per_tensor_allreduce")
     assert rec["after"] / rec["before"] <= 0.8 and rec["limit"] <= rec["after"]
