@@ -37,11 +37,12 @@ def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_s
     lab_matches_solution(LAB)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_the_script_under_torchrun(torchrun_lab, check_common, n):
-    proc, rec = torchrun_lab(LAB, n)
+def test_the_script_under_torchrun(torchrun_lab, check_common):
+    # two ranks only (four took 16-19 s of the suite's 14 minutes): lab 05's torchrun test runs the same
+    # training jobs (labkit.training.loop.train_jobs) on four
+    proc, rec = torchrun_lab(LAB, 2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    expect(rec, check_common, torchrun=True, world_size=n)
+    expect(rec, check_common, torchrun=True, world_size=2)
 
 
 def test_the_notebook_on_a_simulated_node_finds_and_fixes_the_oom_and_the_straggler(run_solution):
