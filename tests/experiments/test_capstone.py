@@ -41,7 +41,7 @@ def test_the_seed_deals_every_combination_and_hides_the_answer():
 
 
 def test_on_a_simulated_node_every_seed_deals_the_two_mistakes_the_simulation_times():
-    # a tokenizer in the loop and a logged accuracy are host Python, which a simulated GPU does not time, and
+    # a tokenizer in the loop is host Python, which a simulated GPU does not time, and the logged accuracy and
     # the per-tensor all-reduces are left out as on GPUs: what is left is the OOM and the straggler, both
     assert {draw(seed, simulated=True).planted for seed in range(40)} == {("oom_batch", "straggler")}
     assert dealt(False, simulated=True, world_size=8) == ("oom_batch", "straggler")
@@ -58,14 +58,17 @@ def test_the_script_deals_the_simulated_capstone_on_a_simulated_node(monkeypatch
 
     asked = {}
 
+    class Dealt(Exception):
+        """Stops the script once it has asked for its deal, before anything launches."""
+
     def deal(seed, **kwargs):
         asked.update(kwargs)
-        raise KeyboardInterrupt  # stop before anything launches
+        raise Dealt
 
     monkeypatch.setattr(capstone, "draw", deal)
     sim = Cluster.resolve("sim:dgx-h100", 2)
     where = Where(2, sim, 1, 2, torchrun=False, on_gpu=False, label=sim.label)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Dealt):
         capstone.headline(where, capstone.Params(cluster="sim:dgx-h100"))
     assert asked == {"world_size": 2, "on_gpu": False, "simulated": True}
 
