@@ -163,6 +163,11 @@ class LabParams:
     # Whether the lab's notebook runs on a simulated machine (its script does wherever `cluster` offers one):
     # a notebook whose exercises compare values with a single process needs numerics, which it does not have
     NOTEBOOK_SIMULATED: ClassVar[bool] = False
+    # On a simulated machine (`cluster="sim:..."`), after GPU_SIZES, for the fields still at their default:
+    # after its first, every step of a simulated program takes the same modelled time, up to float rounding
+    # (no noise, no caches; tests/emulate/test_simulated_cluster.py), so one timed step there is the median of
+    # any number
+    SIMULATED_SIZES: ClassVar[Mapping[str, Any]] = {}
 
     # ----------------------------------------------------------------- checks
 
@@ -321,8 +326,11 @@ class LabParams:
 
     def gpu_sized(self: P, on_gpu: bool) -> P:
         """On GPUs, `GPU_SIZES` for every field still at its default (a value the user set is kept, unless it
-        equals the emulated default); elsewhere `self`."""
-        if not on_gpu or not self.GPU_SIZES:
+        equals the emulated default), and `SIMULATED_SIZES` on a simulated machine; elsewhere `self`."""
+        sizes = dict(self.GPU_SIZES) if on_gpu else {}
+        if self.cluster.startswith("sim:"):
+            sizes.update(self.SIMULATED_SIZES)
+        if not sizes:
             return self
         def default(f: dataclasses.Field) -> Any:
             if f.default is dataclasses.MISSING:
@@ -330,7 +338,7 @@ class LabParams:
             return f.default
 
         defaults = {f.name: default(f) for f in dataclasses.fields(self)}
-        sized = {k: v for k, v in self.GPU_SIZES.items() if getattr(self, k) == defaults[k]}
+        sized = {k: v for k, v in sizes.items() if getattr(self, k) == defaults[k]}
         return dataclasses.replace(self, **sized)
 
     def config(self) -> GPTConfig:

@@ -48,7 +48,7 @@ def test_the_script_on_two_simulated_dgx_h100_nodes_picks_a_fast_layout(simulate
     size: tensor parallelism over both nodes pays its all-reduces over InfiniBand, and the planner's pick,
     planned with the rates measured there, is the fastest layout measured (the full defaults: 76 s)."""
     rec = simulated_lab(
-        LAB, 16, "--set", "steps", "1", "--set", "n_layers", "4", "--set", "micro_batches", "[8]"
+        LAB, 16, "--set", "n_layers", "4", "--set", "micro_batches", "[8]"
     )
     assert rec["where"] == "simulated H100-SXM5-80GB" and rec["nodes"] == 2
     assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
