@@ -331,11 +331,11 @@ class Params(LabParams):
     cluster: str = param(
         "cpu",
         "the emulated cluster (cpu): this lab needs two nodes; auto or gpu under torchrun; sim:dgx-h100 (or "
-        "another preset): simulated nodes of 8 GPUs, as many as the ranks fill",
+        "another preset): `nodes` simulated nodes sharing the ranks",
         choices=("auto", "cpu", "gpu", *SIMULATED_CLUSTERS),
     )
     world_size: int = param(8, "GPUs in all (emulated: nodes x world_size / nodes)", minimum=1)
-    nodes: int = param(2, "emulated nodes (under torchrun: torchrun's)", minimum=1)
+    nodes: int = param(2, "nodes sharing the ranks, emulated or simulated (torchrun: its own)", minimum=1)
     memory_mib: float | None = param(
         None,
         "memory of each emulated GPU, MiB (None: one in which plain data parallelism does not fit and a "
@@ -357,9 +357,13 @@ class Params(LabParams):
     global_batch: int = param(32, "sequences per step, all replicas together", minimum=1)
     micro_batches: list[int] = param([4, 8], "micro-batch sizes the planner may choose", minimum=1)
     steps: int = param(2, "measured steps per layout (after one warm-up step)", minimum=1)
+    table_1: bool = param(
+        True, "the notebook simulates four rows of Narayanan et al. 2021, Table 1 (about 20 s on 2 cores)"
+    )
 
     SIMULATED_SIZES = {"steps": 1}
     LAB = "01_parallelism_choice"
+    NOTEBOOK_SIMULATED = True  # its gradients are checked on the emulated cluster, the layouts run there
     ONE_GPU = "it needs two nodes; torchrun across nodes runs it on GPUs"
     TEST = {"cluster": "cpu", "steps": 1}
     SMOKE = {
@@ -395,6 +399,25 @@ class Params(LabParams):
                 why="every node holds as many GPUs",
             )
         return self
+
+    def simulated_machine(self, *, capped: bool = True) -> Cluster:
+        """`cluster="sim:<preset>"`: `nodes` of the preset's nodes sharing the ranks, as on the emulated
+        cluster (the defaults: 4 GPUs on each of two DGX H100 nodes, as torchrun --nnodes 2 --nproc-per-node 4
+        takes them), each GPU capped at `memory_mib` (unless not `capped`), as the emulated GPUs are, so that
+        plain data parallelism does not fit the lab's small model there either."""
+        self.for_nodes(self.nodes)
+        preset = Cluster.preset(self.cluster.removeprefix("sim:"), nodes=self.nodes)
+        per_node = self.world_size // self.nodes
+        if per_node > preset.gpus_per_node:
+            raise ParamError(
+                "world_size",
+                self.world_size,
+                f"at most {preset.gpus_per_node} x nodes={self.nodes}",
+                preset.gpus_per_node * self.nodes,
+                why=f"a {preset.gpu_name} node holds {preset.gpus_per_node} GPUs",
+            )
+        machine = replace(preset.simulated(), gpus_per_node=per_node)
+        return replace(machine, memory_gib=self.memory_mib / 1024) if capped else machine
 
 
 
@@ -449,7 +472,10 @@ def headline(w: Where, p: Params) -> LabRecords:
     The planner plans for these ranks with `memory_mib` per GPU and this machine's measured rates; every
     layout it accepts is measured, and the mistake.
     """
-    if not w.torchrun and not w.simulated:  # the notebook's emulated cluster: `nodes` nodes sharing the ranks
+    if w.simulated:  # the notebook's simulated nodes: `nodes` of the preset's sharing the ranks
+        machine = p.simulated_machine(capped=False)
+        w = replace(w, cluster=machine, nodes=machine.nodes, gpus_per_node=machine.gpus_per_node)
+    elif not w.torchrun:  # the notebook's emulated cluster: `nodes` nodes sharing the ranks
         p.for_nodes(p.nodes)
         w = emulated_cluster(w, nodes=p.nodes, gpus_per_node=w.world_size // p.nodes)
     config = p.config()
@@ -533,6 +559,7 @@ def headline(w: Where, p: Params) -> LabRecords:
             "plan": [c.row() for c in the_plan.candidates],
             "memory_mib": p.memory_mib,
         },
+        nodes=w.nodes,
     )
 
 

@@ -103,7 +103,8 @@ class Meaning:
 @dataclass(frozen=True)
 class LabRecords:
     """A lab's records: the number before the fix, after it, the limit no fix beats (None where this machine
-    has no figure for it), their unit and meaning, the metric, and the extras that say why."""
+    has no figure for it), their unit and meaning, the metric, and the extras that say why; `nodes`: the nodes
+    the lab spread its ranks over, where it chose them itself (lab 01), else those of `where`."""
 
     before: float
     after: float
@@ -112,6 +113,7 @@ class LabRecords:
     meaning: Meaning
     metric: str
     extras: dict[str, Any] = field(default_factory=dict)
+    nodes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         head = {
@@ -263,7 +265,7 @@ def run_lab(module: str, argv: list[str] | None = None) -> int:
         "emulated": w.emulated,
         "torchrun": w.torchrun,
         "world_size": w.world_size,
-        "nodes": w.nodes,
+        "nodes": result.nodes or w.nodes,
         "params": params.as_dict(),
     }
     if w.rank() == 0:

@@ -249,21 +249,21 @@ def test_papermill_with_a_wrong_type_fails_in_the_cell_that_checks_it_with_the_f
     )
 
 
-@pytest.mark.parametrize("lab", ["01_parallelism_choice"])
-def test_a_notebook_that_needs_numerics_refuses_a_simulated_machine_naming_the_script(lab):
-    """Lab 01 runs on a simulated machine as a script; its notebook's exercises compare values with a single
-    process, which a simulated machine does not compute: the cell and labkit run -p say so (labs 00, 02, 03
-    and 04 check theirs on the emulated cluster and run the rest there; lab 05's exercise reads made-up
-    breakdowns)."""
-    from labkit.course.parameters import LabParamError, lab_parameters
+def test_a_notebook_that_needs_numerics_refuses_a_simulated_machine_naming_the_script():
+    """A lab whose notebook compares values with a single process where it runs (NOTEBOOK_SIMULATED False)
+    refuses a simulated machine in its cell, naming the script that measures there. None of labs 00-06 does
+    today: each checks its values on the emulated cluster and runs the rest on the simulated machine, so
+    labkit run -p cluster sim:dgx-h100 takes every lab."""
+    from labkit.course.parameters import lab_parameters
 
-    params = registry.params_of(lab)
-    module = registry.module_of(lab)
-    assert params.make({"cluster": "sim:dgx-h100"}, "set").cluster == "sim:dgx-h100"  # the script's
-    with pytest.raises(ParamError, match=rf"python -m {module} --cluster sim:dgx-h100.*cluster = 'cpu'"):
-        params.from_cell({"cluster": "sim:dgx-h100"})
-    with pytest.raises(LabParamError, match=rf"lab {lab}: .*-p cluster cpu"):
-        lab_parameters([lab], {"cluster": "sim:dgx-h100"})
+    base = registry.params_of("01_parallelism_choice")
+    numeric = type("Numeric", (base,), {"NOTEBOOK_SIMULATED": False, "__module__": base.__module__})
+    assert numeric.make({"cluster": "sim:dgx-h100"}, "set").cluster == "sim:dgx-h100"  # the script's
+    script = rf"python -m {base.__module__} --cluster sim:dgx-h100.*cluster = 'cpu'"
+    with pytest.raises(ParamError, match=script):
+        numeric.from_cell({"cluster": "sim:dgx-h100"})
+    given = lab_parameters(list(registry.LABS), {"cluster": "sim:dgx-h100"})
+    assert all(values == {"cluster": "sim:dgx-h100"} for values in given.values()), given
 
 
 def test_lab_00s_notebook_takes_a_simulated_node_at_its_gpu_sizes():

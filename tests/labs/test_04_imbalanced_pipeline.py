@@ -32,10 +32,11 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
 
 
 def test_the_script_on_a_simulated_dgx_h100_node_shows_the_lesson(simulated_lab):
-    """Eight simulated H100s as eight pipeline stages at the GPU sizes (a 32 K vocabulary's head): balancing
+    """Four simulated H100s as four pipeline stages at the GPU sizes (a 32 K vocabulary's head): balancing
     the stages by measured cost and taking more micro-batches meets the course's targets (after/before <= 0.8,
-    after/limit <= 1.25) through torch.distributed.pipelining on FakeTensors; nothing numeric is checked."""
-    rec = simulated_lab(LAB, 8)
+    after/limit <= 1.25) through torch.distributed.pipelining on FakeTensors; nothing numeric is checked (16 s;
+    eight stages: 30 s)."""
+    rec = simulated_lab(LAB, 4)
     assert rec["where"] == "simulated H100-SXM5-80GB" and rec["params"]["vocab_size"] == 32768
     assert rec["params"]["steps"] == 1  # SIMULATED_SIZES: a simulated step repeats exactly
     assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
