@@ -357,9 +357,6 @@ class Params(LabParams):
     global_batch: int = param(32, "sequences per step, all replicas together", minimum=1)
     micro_batches: list[int] = param([4, 8], "micro-batch sizes the planner may choose", minimum=1)
     steps: int = param(2, "measured steps per layout (after one warm-up step)", minimum=1)
-    table_1: bool = param(
-        True, "the notebook simulates four rows of Narayanan et al. 2021, Table 1 (about 20 s on 2 cores)"
-    )
 
     SIMULATED_SIZES = {"steps": 1}
     LAB = "01_parallelism_choice"

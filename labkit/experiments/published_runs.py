@@ -13,18 +13,21 @@ their equation (3):
 `simulate` runs a row's configuration on a simulated DGX A100 (`Cluster.preset("dgx-a100-80gb").simulated()`):
 one data-parallel replica's tensor-parallel ranks, the lab GPT at the row's size in 16-bit with activation
 checkpointing, `labkit.parallel.tensor_parallel` over the tp group (its all-reduces on the simulated NVLink),
-every operator timed on the described A100 (`labkit.op_time`). The rest is scaled by formulas, each said where
-it is used: the iteration's m = B / (dp · micro_batch) micro-batches are the first one's time plus m - 1 times
-the second's (each later micro-batch is the same work, accumulating into the gradients); the data-parallel
-all-reduce of the 16-bit gradients over the dp ranks is the links' α-β time (`labkit.links`), exposed after
-the backward pass as Megatron-LM's training step of the time ran it; the optimizer is Adam on fp32 master
-weights, simulated. Rows with pipeline parallelism (pp > 1) are not simulated here.
+every operator timed on the described A100 (`labkit.op_time`). Every block of a row is the same work, so a
+replica runs `BLOCKS` = (1, 2) blocks, not the row's 24-40, and each time, byte count and peak is carried to
+the row's blocks along the line through those two runs (the whole model's to float rounding, tested). The rest
+is scaled by formulas, each said where it is used: the iteration's m = B / (dp · micro_batch) micro-batches
+are the first one's time plus m - 1 times the second's (each later micro-batch is the same work, accumulating
+into the gradients); the data-parallel all-reduce of the 16-bit gradients over the dp ranks is the links' α-β
+time (`labkit.links`), exposed after the backward pass as Megatron-LM's training step of the time ran it; the
+optimizer is Adam on fp32 master weights, simulated. Rows with pipeline parallelism (pp > 1) are not
+simulated here.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,8 @@ __all__ = ["TABLE_1", "PublishedRun", "SimulatedRun", "megatron_flops", "simulat
 
 SEQ_LEN = 2048
 VOCAB = 51200
+# The blocks a replica simulates: the row's blocks are reached along the line through these two runs
+BLOCKS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -157,8 +162,30 @@ def _replica(config: GPTConfig, micro_batch: int) -> dict[str, float]:
     }
 
 
-def simulate(run: PublishedRun, micro_batch: int = 1, preset: str = "dgx-a100-80gb") -> SimulatedRun:
-    """`run`'s iteration on a simulated `preset` node (module docstring); pp = 1 rows only."""
+def _replicas(
+    run: PublishedRun, micro_batch: int, node: Cluster, blocks: tuple[int, int] | None
+) -> list[dict[str, float]]:
+    """Each tp rank's `_replica` measures at the row's blocks: simulated whole (`blocks` None), or carried
+    along the line through runs with `blocks` blocks (each block is the same work: linear in the blocks)."""
+    if blocks is None or run.layers <= max(blocks):
+        return launcher.launch(_replica, run.config(), micro_batch, world_size=run.tp, cluster=node)
+    configs = [replace(run.config(), n_layers=n) for n in blocks]
+    few, more = (launcher.launch(_replica, c, micro_batch, world_size=run.tp, cluster=node) for c in configs)
+    share = (run.layers - blocks[0]) / (blocks[1] - blocks[0])
+    return [
+        {k: a.get(k, 0.0) + share * (b.get(k, 0.0) - a.get(k, 0.0)) for k in {**a, **b}}
+        for a, b in zip(few, more)
+    ]
+
+
+def simulate(
+    run: PublishedRun,
+    micro_batch: int = 1,
+    preset: str = "dgx-a100-80gb",
+    blocks: tuple[int, int] | None = BLOCKS,
+) -> SimulatedRun:
+    """`run`'s iteration on a simulated `preset` node (module docstring); pp = 1 rows only. `blocks`: the
+    two block counts simulated (None: every block of the row)."""
     if run.pp != 1:
         raise ValueError(
             f"{run.name} uses pipeline parallelism (pp={run.pp}); simulate a row with pp=1, e.g. TABLE_1[0]"
@@ -168,7 +195,7 @@ def simulate(run: PublishedRun, micro_batch: int = 1, preset: str = "dgx-a100-80
             f"batch {run.batch} does not split into dp={run.dp} replicas of micro-batches of {micro_batch}"
         )
     node = Cluster.preset(preset).simulated()
-    ranks = launcher.launch(_replica, run.config(), micro_batch, world_size=run.tp, cluster=node)
+    ranks = _replicas(run, micro_batch, node, blocks)
     slowest = {k: max(r[k] for r in ranks) for k in ("first", "later", "optimizer")}
     kinds = {k.removesuffix("_s"): v * 1e3 for k, v in ranks[0].items() if k.endswith("_s")}
     kinds["tp"] = slowest["later"] * 1e3 - sum(kinds.values())  # the rest of the micro-batch: tp all-reduces
