@@ -38,28 +38,33 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
 
 
 def test_the_script_on_a_simulated_dgx_h100_node_finds_and_fixes_its_mystery(simulated_lab):
-    """Eight simulated H100s (one timed step, two traced: 20 s): the planted mistake is one the simulation times (a straggler or per-tensor
-    all-reduces; a tokenizer in the loop is host Python, which it does not), the trace names it, and its fix
-    moves the step towards the clean job's."""
-    rec = simulated_lab(LAB, 8, "--set", "steps", "1", "--set", "trace_steps", "2")
-    assert rec["where"] == "simulated H100-SXM5-80GB"
-    assert rec["planted"] in ("straggler", "per_tensor_allreduce")
+    """Eight simulated H100s (one timed step, two traced: 25 s), seed 0: per-tensor all-reduces, which show on
+    a simulated node from 8 ranks (SIMULATED_PER_TENSOR_RANKS); the trace names them (small collectives) and
+    their fix, buckets, reaches the clean job's step (3.68 -> 2.63 ms). The straggler (seeds 1-3) is the
+    notebook test's."""
+    rec = simulated_lab(LAB, 8, "--set", "mystery_seed", "0", "--set", "trace_steps", "2")
+    assert rec["where"] == "simulated H100-SXM5-80GB" and rec["params"]["steps"] == 1
+    assert (rec["planted"], rec["diagnosed"]) == ("per_tensor_allreduce", "small_collectives")
     assert rec["after"] / rec["before"] <= 0.8 and rec["limit"] <= rec["after"]
 
 
-def test_the_notebook_on_a_simulated_node_finds_and_fixes_its_mystery(run_solution):
-    """cluster="sim:dgx-h100", a DGX node's 8 ranks (one timed step: 42 s on the 2-core VM): the straggler and
-    per-tensor all-reduces show there (the tokenizer is not timed), the traces name each (the straggler on
-    either rank), and the mystery's fix meets the course's targets, labelled simulated."""
-    rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=8, steps=1, trace_steps=2)
+def test_the_notebook_on_two_simulated_ranks_fixes_the_straggler_and_says_the_lesson_falls_short(
+    run_solution, tmp_path
+):
+    """cluster="sim:dgx-h100" on 2 ranks (13 s; a DGX node's 8: 48 s, where per-tensor all-reduces show too,
+    as the script's test checks): the traces name the straggler on either rank and its fix moves the step by
+    x0.80, which misses the course's 0.8 there; the notebook says so and names world_size = 8, instead of a
+    pass, and labels every number simulated."""
+    rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=2, trace_steps=2)
     assert rec["emulated"] and rec["planted"] == "straggler" and rec["diagnosed"] == "straggler"
-    assert rec["after"] / rec["before"] <= 0.8 and rec["limit"] <= rec["after"]
+    assert rec["limit"] < rec["after"] < rec["before"] and rec["after"] / rec["before"] > 0.79
     assert "simulated H100-SXM5-80GB" in rec["versus_clean"]
     assert {(r["planted"], r["diagnosed"], r["rank"]) for r in rec["gallery"]} == {
         ("straggler", "straggler", 1),
-        ("per_tensor_allreduce", "small_collectives", None),
         ("straggler", "straggler", 0),
     }
+    text = (tmp_path / f"{LAB}.ipynb").read_text()
+    assert "the lesson does not show on this machine" in text and "try world_size = 8" in text
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
