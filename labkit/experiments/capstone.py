@@ -214,7 +214,6 @@ class Params(LabParams):
     trace_steps: int = param(3, "profiled steps per run", minimum=1)
     trace_dir: str = param("traces_06", "the folder of the runs' traces (replaced on each run)")
 
-    SIMULATED_SIZES = {"steps": 1}
     LAB = "06_capstone"
     NOTEBOOK_SIMULATED = True  # its exercises are the memory formula and the knobs; the jobs run there
     ONE_GPU = "a data-parallel job of two ranks"

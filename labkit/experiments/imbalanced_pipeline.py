@@ -408,7 +408,6 @@ class Params(LabParams):
         "global_batch": 64,
         "activation_mib": 16384,
     }
-    SIMULATED_SIZES = {"steps": 1}
     LAB = "04_imbalanced_pipeline"
     ONE_GPU = "a stage per rank; the notebook also profiles the layers on this GPU, beside the emulated costs"
     RANKS = "stages"

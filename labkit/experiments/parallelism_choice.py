@@ -358,7 +358,6 @@ class Params(LabParams):
     micro_batches: list[int] = param([4, 8], "micro-batch sizes the planner may choose", minimum=1)
     steps: int = param(2, "measured steps per layout (after one warm-up step)", minimum=1)
 
-    SIMULATED_SIZES = {"steps": 1}
     LAB = "01_parallelism_choice"
     NOTEBOOK_SIMULATED = True  # its gradients are checked on the emulated cluster, the layouts run there
     ONE_GPU = "it needs two nodes; torchrun across nodes runs it on GPUs"

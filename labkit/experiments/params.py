@@ -163,11 +163,11 @@ class LabParams:
     # Whether the lab's notebook runs on a simulated machine (its script does wherever `cluster` offers one):
     # a notebook whose exercises compare values with a single process needs numerics, which it does not have
     NOTEBOOK_SIMULATED: ClassVar[bool] = False
-    # On a simulated machine (`cluster="sim:..."`), after GPU_SIZES, for the fields still at their default:
-    # after its first, every step of a simulated program takes the same modelled time, up to float rounding
-    # (no noise, no caches; tests/emulate/test_simulated_cluster.py), so one timed step there is the median of
-    # any number
-    SIMULATED_SIZES: ClassVar[Mapping[str, Any]] = {}
+    # On a simulated machine (`cluster="sim:..."`), after GPU_SIZES, for the fields a lab has and left at
+    # their default: after its first, every step of a simulated program takes the same modelled time, up to
+    # float rounding (no noise, no caches; tests/emulate/test_simulated_cluster.py), so one timed step there
+    # is the median of any number
+    SIMULATED_SIZES: ClassVar[Mapping[str, Any]] = {"steps": 1}
 
     # ----------------------------------------------------------------- checks
 
@@ -329,7 +329,7 @@ class LabParams:
         equals the emulated default), and `SIMULATED_SIZES` on a simulated machine; elsewhere `self`."""
         sizes = dict(self.GPU_SIZES) if on_gpu else {}
         if self.cluster.startswith("sim:"):
-            sizes.update(self.SIMULATED_SIZES)
+            sizes.update((k, v) for k, v in self.SIMULATED_SIZES.items() if hasattr(self, k))
         if not sizes:
             return self
         def default(f: dataclasses.Field) -> Any:

@@ -365,7 +365,6 @@ class Params(LabParams):
         "bucket_cap_mb": 25.0,
         "sweep_caps_mb": [1e-6, 25.0, 100.0, 400.0],
     }
-    SIMULATED_SIZES = {"steps": 1}
     LAB = "03_unoverlapped_comms"
     NOTEBOOK_SIMULATED = True  # its exercise is checked on the emulated cluster, the rest runs there
     ONE_GPU = "its lesson is gradient communication between ranks"

@@ -63,7 +63,6 @@ class Params(LabParams):
     trace_dir: str = param("traces_05", "the folder of the jobs' traces (replaced on each run)")
 
     GPT_FIXED = {"n_heads": 4}
-    SIMULATED_SIZES = {"steps": 1}
     LAB = "05_unprofiled_run"
     NOTEBOOK_SIMULATED = True  # its exercise reads made-up breakdowns; the jobs and their traces run there
     ONE_GPU = "a straggler and the all-reduces need two ranks"
