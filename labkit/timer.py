@@ -46,7 +46,13 @@ class Mark:
     def __init__(self) -> None:
         self._event: torch.cuda.Event | None = None
         self._t = 0.0
-        if runtime.on_gpu() and torch.cuda.is_initialized():
+        # On a GPU rank every mark is an event, even before CUDA is initialised: recording it initialises CUDA
+        # (the rank is about to compute there anyway, and the context's creation then falls before the mark,
+        # outside the span). A mark that read the clock while CUDA was not yet initialised could not be
+        # compared with a later event: one end a host reading, the other a point on the device's timeline
+        # (ms_since subtracted the host reading from the event mark's unused 0.0). One kind of mark per rank
+        # keeps every pair comparable.
+        if runtime.on_gpu():
             self._event = torch.cuda.Event(enable_timing=True)
             self._event.record()
         else:
@@ -54,6 +60,12 @@ class Mark:
 
     def ms_since(self, earlier: Mark) -> float:
         """Milliseconds from `earlier` to this mark (on a GPU, once this mark's event has completed)."""
+        if (self._event is None) != (earlier._event is None):
+            # marks of two kinds of rank (a CUDA event and a host clock reading) have no common time line
+            raise ValueError(
+                "Mark.ms_since: one mark is a CUDA event and the other a clock reading, so they cannot be "
+                "compared; take both marks on the same rank (both on the GPU, or both off it)"
+            )
         if self._event is not None and earlier._event is not None:
             self._event.synchronize()
             return float(earlier._event.elapsed_time(self._event))

@@ -4,8 +4,9 @@
   readings, here a fake counter so that every number is exact;
 * on the emulated cluster's virtual clock (the rank's environment names it): the rank's `VirtualClock`,
   whose waits `waited()` reports;
-* on a GPU (CUDA mocked: fake events): a mark is an event recorded on the current stream, nothing waits
-  for the device until a time is read, and `clock()` synchronizes first.
+* on a GPU (CUDA mocked: fake events): a mark is an event recorded on the current stream (the first one too,
+  before CUDA is initialised, so that every pair compares), nothing waits for the device until a time is
+  read, and `clock()` synchronizes first.
 """
 
 from __future__ import annotations
@@ -148,8 +149,24 @@ def test_on_a_gpu_clock_synchronizes_the_device_first(gpu_rank, fake_counter):
     assert timer.waited() is None
 
 
-def test_before_cuda_is_initialised_a_gpu_rank_marks_with_clock_readings(gpu_rank, monkeypatch, fake_counter):
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    with Span() as span:
-        pass
-    assert span.ms == 250.0 and gpu_rank.log == []  # no event, no synchronisation of an idle device
+def test_a_mark_before_cuda_is_initialised_and_one_after_are_both_events(gpu_rank, monkeypatch, fake_counter):
+    # The first mark of a GPU rank may come before anything touched CUDA: it records an event all the same
+    # (recording initialises CUDA), so that it compares with the marks after. It once read the clock there,
+    # and the pair subtracted that host reading (10.0 s) from the later event mark's 0.0: -10,000 ms.
+    initialised = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialised))
+    first = Mark()  # CUDA not initialised yet
+    initialised.append(True)  # the rank's first kernel initialises it
+    later = Mark()
+    assert later.ms_since(first) == 4.0
+    assert gpu_rank.log == ["record 4", "record 8", "wait for 8"] and fake_counter == []  # no clock read
+
+
+def test_marks_of_two_kinds_are_refused_not_subtracted(gpu_rank, monkeypatch, fake_counter):
+    on_gpu = Mark()  # an event
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    off_gpu = Mark()  # a clock reading (10.0)
+    with pytest.raises(ValueError, match="one mark is a CUDA event and the other a clock reading"):
+        off_gpu.ms_since(on_gpu)
+    with pytest.raises(ValueError, match="cannot be compared"):
+        on_gpu.ms_since(off_gpu)

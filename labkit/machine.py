@@ -1,0 +1,173 @@
+"""`Machine`: where a lab runs, resolved once where it starts (a notebook, a script, `labkit run`) and passed
+down. Labs and notebooks ask it what differs between machines; they do not test the machine's kind.
+
+    m = Machine.resolve(p.cluster, p.world_size)     # or p.machine() for a lab's Params
+    labkit.launch(fn, world_size=m.ranks, cluster=m.limited(p.memory_mib))
+    print(f"{step_ms:.1f} ms ({m.label})")
+
+Four kinds stand behind one value (`kind`): real GPUs ("gpu", NCCL, CUDA's caching allocator; CI's fake CUDA
+machine, `labkit.emulate.fake_cuda`, is one too, with tensors on the CPU), the emulated cluster ("emulated":
+CPU processes, gloo under the link model, the virtual clock), a simulated described machine ("simulated":
+FakeTensors, each operator timed on the described GPU) and, for a script's ranks that torchrun started,
+"torchrun". What each answers:
+
+* where values are checked: `computes_values`, `for_values()` (a simulated machine computes none, so
+  numerics are checked on the emulated cluster at the same ranks);
+* time: `times_noisy` (repeated steps differ), `judged_by_verdict` (the lesson is judged by the course's
+  targets, `labkit.forecast.verdict`, not by the emulated cluster's exact checks), `gpu_name`;
+* memory: `limited(mib)` and `counting()` (the cluster to run a step under a cap, or where nothing runs out),
+  `caps_reserved` and `allocator_headroom_bytes` (on a card the cap limits the allocator's reserved
+  segments), `optimizer_foreach` (whose temporaries `labkit.memory.estimate` counts),
+  `grad_sync_extra_bytes` (what its gradient sync holds beside the gradients), `torch_ddp`;
+* records: `records()`, the keys every lab writes about where it ran.
+
+Inside a rank, `labkit.runtime` (device, clock, optimizer options) and `labkit.device_memory` answer for the
+rank's own process; this value is the notebook's and the driver's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from labkit.cluster import Cluster
+
+__all__ = ["LARGE_SEGMENT_BYTES", "Machine"]
+
+# CUDA's caching allocator serves requests of 1-10 MiB from 20 MiB segments (kLargeBuffer in
+# c10/cuda/CUDACachingAllocator.cpp) and reserves a new one when no cached block fits: under a cap on
+# reserved memory one CUDA-only tensor of a few MiB (a workspace, a cast cache, NCCL's buffers) needs that
+# much room, which is what the one H200 run of lab 02 ran out of ("Tried to allocate 20.00 MiB").
+LARGE_SEGMENT_BYTES = 20 * 2**20
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The machine a lab runs on: its cluster (resolved for `ranks`) and what differs there (module docs)."""
+
+    cluster: Cluster
+    ranks: int
+    torchrun: bool = False  # ranks that torchrun started (a script's), not ranks that labkit.launch starts
+
+    @classmethod
+    def resolve(cls, spec: Cluster | str, ranks: int, *, torchrun: bool = False) -> Machine:
+        """The machine for `spec` ("auto" | "cpu" | "gpu" | "sim:<preset>[:nodes]" | a `Cluster`) and
+        `ranks`, resolved once (`Cluster.resolve` checks that the ranks fit and says why it picked it)."""
+        cluster = spec if isinstance(spec, Cluster) and torchrun else Cluster.resolve(spec, ranks)
+        return cls(cluster, ranks, torchrun)
+
+    # ------------------------------------------------------------------ what it is
+
+    @property
+    def kind(self) -> str:
+        """"gpu", "emulated", "simulated" or "torchrun"."""
+        return "torchrun" if self.torchrun else self.cluster.kind
+
+    @property
+    def label(self) -> str:
+        """Written next to every number measured here ("emulated", "simulated H100-SXM5-80GB", ...)."""
+        return self.cluster.label
+
+    @property
+    def nodes(self) -> int:
+        return self.cluster.nodes
+
+    def describe(self) -> str:
+        return self.cluster.describe()
+
+    @property
+    def gpu_name(self) -> str:
+        """The GPU the numbers stand for: the card's name, the described GPU, or "emulated GPU"."""
+        if self.cluster.gpus:
+            return self.cluster.gpus[0].name
+        return self.cluster.gpu_name or "emulated GPU"
+
+    # ------------------------------------------------------------------ values
+
+    @property
+    def computes_values(self) -> bool:
+        """Does it compute values (losses, gradients)? Not a simulated machine: its tensors hold no data."""
+        return not self.cluster.is_simulated
+
+    def for_values(self) -> Machine:
+        """Where this lab's numerics are checked: here, or the emulated cluster at the same ranks and nodes
+        when this machine computes no values."""
+        if self.computes_values:
+            return self
+        emulated = Cluster.emulated(nodes=self.cluster.nodes, gpus_per_node=self.cluster.gpus_per_node)
+        return Machine(replace(emulated, reason="the numerics of a simulated machine"), self.ranks)
+
+    def values_note(self) -> str:
+        """One line on where values are checked, or "" where they are computed here."""
+        if self.computes_values:
+            return ""
+        return "the exercises' checks run on the emulated cluster: a simulated machine computes no values"
+
+    # ------------------------------------------------------------------ time
+
+    @property
+    def times_noisy(self) -> bool:
+        """Do repeated steps take different times (measured), or the same modelled time (simulated)?"""
+        return not self.cluster.is_simulated
+
+    @property
+    def judged_by_verdict(self) -> bool:
+        """Is a lesson judged by the course's targets (`labkit.forecast.verdict`: real or fake GPUs, a
+        simulated machine), rather than by the emulated cluster's exact checks?"""
+        return self.cluster.kind in ("gpu", "simulated")
+
+    @property
+    def gpu_sized(self) -> bool:
+        """Do labs take their GPU sizes here (`LabParams.GPU_SIZES`)?"""
+        return self.cluster.gpu_sized
+
+    # ------------------------------------------------------------------ memory
+
+    def limited(self, memory_mib: float) -> Cluster:
+        """The cluster with `memory_mib` per rank: the emulated budget, the simulated card's limit, or a cap
+        on a GPU's reserved memory above its warm baseline."""
+        return replace(self.cluster, memory_gib=memory_mib / 1024)
+
+    def counting(self) -> Cluster:
+        """The cluster where a step's memory is read without running out: a budget too large to hit on the
+        emulated cluster (it only counts), the whole card elsewhere."""
+        return replace(self.cluster, memory_gib=1024 if self.cluster.kind == "emulated" else None)
+
+    @property
+    def caps_reserved(self) -> bool:
+        """Does a memory cap limit the allocator's reserved segments (a GPU's), not live tensor bytes?"""
+        return self.cluster.kind == "gpu"
+
+    @property
+    def allocator_headroom_bytes(self) -> int:
+        """Room a step needs between its estimated live bytes and a cap, for the allocator's segments: one
+        large segment on a GPU (`LARGE_SEGMENT_BYTES`), none where live bytes are what is capped."""
+        return LARGE_SEGMENT_BYTES if self.caps_reserved else 0
+
+    @property
+    def optimizer_foreach(self) -> bool:
+        """Do its optimizers take torch's for-each implementation (the default for CUDA tensors, which a
+        simulated GPU takes too: `labkit.runtime.optimizer_options`)?"""
+        return self.cluster.kind in ("gpu", "simulated")
+
+    @property
+    def torch_ddp(self) -> bool:
+        """Does torch's DistributedDataParallel run here? Its C++ reducer reads storage, which a simulated
+        machine's tensors lack: labkit's `OverlappedDDP` stands in there."""
+        return not self.cluster.is_simulated
+
+    @property
+    def ddp_name(self) -> str:
+        return "torch DDP" if self.torch_ddp else "labkit's OverlappedDDP (torch DDP needs storage)"
+
+    def grad_sync_extra_bytes(self, grad_bytes: int) -> int:
+        """What a training job's gradient sync ("ddp") holds beside `grad_bytes` of gradients all step: none
+        under torch DDP (`gradient_as_bucket_view=True`: the gradients are views of its buckets), one more
+        copy under labkit's `OverlappedDDP`, whose flat buckets are their own tensors."""
+        return 0 if self.torch_ddp else grad_bytes
+
+    # ------------------------------------------------------------------ records
+
+    def records(self) -> dict[str, Any]:
+        """What every lab records about where it ran."""
+        return {"emulated": self.cluster.is_emulated, "machine": self.kind, "where": self.label}
