@@ -21,9 +21,15 @@ idea (docs/architecture.md has the map and the whole public surface):
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# CI's fake CUDA machine (labkit.emulate.fake_cuda): installed in every process that imports labkit (a
+# notebook's kernel, the launcher's fork server and its ranks) while $LABKIT_FAKE_CUDA names a GPU count.
+if os.environ.get("LABKIT_FAKE_CUDA", "0") not in ("", "0"):
+    importlib.import_module("labkit.emulate.fake_cuda").install()
 
 # Each public name and the module it lives in. They are imported on first use (PEP 562), so
 # `labkit --help` and `import labkit` do not pay for importing torch until a name needs it.
@@ -40,6 +46,7 @@ _HOME = {
     "TrainingJob": "labkit.training",
     "launch": "labkit.launcher",
     "Link": "labkit.links",
+    "Machine": "labkit.machine",
     "bus_bandwidth_factor": "labkit.links",
     "BatchSearch": "labkit.measured_memory",
     "estimate_fake": "labkit.measured_memory",
@@ -99,6 +106,7 @@ __all__ = [
     "GPTConfig",
     "Layout",
     "Link",
+    "Machine",
     "MemoryBreakdown",
     "MemoryBudget",
     "OverlappedDDP",

@@ -52,11 +52,11 @@ def _run(
     each collective, so that up to ~64 KiB the figure would be c10d's per-call overhead, not
     NCCL's latency. A spin kernel queued first keeps the stream busy while the host enqueues
     all K (`ENQUEUE_S` each): the start event then fires with the collectives already queued.
-    On the emulated cluster the span is read from the emulated device's timeline in the same way
-    (`timer.CollectivesSpan`), so that the host's Python around the launches is not counted as
-    link time.
+    On the virtual clock (the emulated cluster, CI's fake CUDA machine) the span is read from the
+    emulated device's timeline in the same way (`timer.CollectivesSpan`), so that the host's Python
+    around the launches is not counted as link time, and there is no stream to keep busy.
     """
-    if runtime.on_gpu():
+    if runtime.on_gpu() and not runtime.on_virtual_clock():  # CUDA events bracket the span
         _torch_compat.cuda_spin(1e-3 + count * ENQUEUE_S)
     with timer.CollectivesSpan() as span:  # CUDA events on a GPU, the device timeline on the virtual clock
         works = [_start(op, full, shard, src, group) for _ in range(count)]

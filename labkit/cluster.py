@@ -181,12 +181,16 @@ class Cluster:
                 nccl = None
         matrix = _nvidia_smi_topo() if gpus else ""
         intra = gpu_links.intra_node_link(matrix, [g.name for g in gpus]) if gpus else Link(1.0, 0.0, "none")
+        inter = Link(50.0, 5.0, "InfiniBand NDR 400 Gb/s (assumed)")
+        # CI's fake GPUs (labkit.emulate.fake_cuda) compute on this CPU: links scaled to it, as emulated
+        if gpus and gpus[0].name.endswith(gpu_links.FAKE_CUDA_SUFFIX):
+            intra, inter = default_links(calibrate.cpu_gflops().gflops)
         return cls(
             kind="gpu",
             nodes=1,
             gpus_per_node=len(gpus),
             intra_node=intra,
-            inter_node=Link(50.0, 5.0, "InfiniBand NDR 400 Gb/s (assumed)"),
+            inter_node=inter,
             gpus=tuple(gpus),
             topology_matrix=matrix,
             nccl_version=nccl,
@@ -252,9 +256,16 @@ class Cluster:
         return self.kind == "simulated"
 
     @property
+    def is_fake_cuda(self) -> bool:
+        """Is it CI's fake CUDA machine (`labkit.emulate.fake_cuda`): a GPU node's API over this CPU?"""
+        fake = gpu_links.FAKE_CUDA_SUFFIX
+        return self.kind == "gpu" and bool(self.gpus) and self.gpus[0].name.endswith(fake)
+
+    @property
     def gpu_sized(self) -> bool:
-        """Do labs take their GPU sizes here (real GPUs, or a simulated GPU machine)?"""
-        return self.kind in ("gpu", "simulated")
+        """Do labs take their GPU sizes here (real GPUs, or a simulated GPU machine)? Not on CI's fake CUDA
+        machine, which computes on this CPU: its tests pass the GPU sizes a CPU can run (lab 02's)."""
+        return self.kind == "simulated" or (self.kind == "gpu" and not self.is_fake_cuda)
 
     @property
     def gpu_count(self) -> int:
@@ -272,6 +283,8 @@ class Cluster:
             return "predicted, on paper"
         if self.kind == "simulated":
             return f"simulated {self.gpu_name}"
+        if self.is_fake_cuda:
+            return "emulated, fake CUDA"  # CI's stand-in for a GPU node (labkit.emulate.fake_cuda)
         return "emulated" if self.is_emulated else "measured on GPU"
 
     def topology(self) -> Topology:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "baseline_bytes",
     "cap_above_baseline",
     "max_memory_allocated",
+    "max_memory_reserved",
     "memory_allocated",
     "memory_limit",
     "peak_bytes",
@@ -126,7 +127,11 @@ def memory_limit(
 
 
 def _cuda(dev: torch.device | str | None) -> bool:
-    return torch.device(dev).type == "cuda" if dev is not None else runtime.on_gpu()
+    """Is `dev` (None: this rank's) served by torch.cuda's memory API? The rank's own device is on a GPU
+    rank, which on CI's fake CUDA machine is the CPU."""
+    if dev is None or torch.device(dev) == runtime.device():
+        return runtime.on_gpu()
+    return torch.device(dev).type == "cuda"
 
 
 def memory_allocated(device: torch.device | str | None = None) -> int:
@@ -143,6 +148,18 @@ def max_memory_allocated(device: torch.device | str | None = None) -> int:
     if _cuda(device):
         return max(0, torch.cuda.max_memory_allocated(device) - baseline_bytes())
     budget = emulate.active_budget()
+    return budget.peak if budget is not None else 0
+
+
+def max_memory_reserved(device: torch.device | str | None = None) -> int:
+    """Peak bytes the allocator reserved since the last `reset_peak_memory_stats` (net of the warm baseline's
+    reserved bytes): what a GPU's memory cap limits. Without an allocator model (the emulated budget's
+    default, a simulated card) the live bytes' peak."""
+    if _cuda(device):
+        return max(0, torch.cuda.max_memory_reserved(device) - int(os.environ.get(_RESERVED_ENV, "0")))
+    budget = emulate.active_budget()
+    if isinstance(budget, emulate.MemoryBudget):
+        return budget.peak_reserved
     return budget.peak if budget is not None else 0
 
 
@@ -192,6 +209,8 @@ class StepPeak:
     start_bytes: int
     peak_bytes: int
     source: str
+    # the allocator's reserved peak, what a GPU's cap limits (not compared: it follows from the allocator)
+    reserved_peak_bytes: int = field(default=0, compare=False)
 
     @property
     def added_bytes(self) -> int:
@@ -212,5 +231,6 @@ def step_peak(step: Callable[[], T]) -> tuple[T, StepPeak]:
         result = step()
         runtime.synchronize()
         peak = max_memory_allocated()
+        reserved = max_memory_reserved()
         source = _source() or "emulated budget"
-    return result, StepPeak(start, max(start, peak), source)
+    return result, StepPeak(start, max(start, peak), source, max(reserved, peak))

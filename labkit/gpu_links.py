@@ -17,7 +17,17 @@ import re
 
 from labkit.links import Link
 
-__all__ = ["LIMIT_MEANING", "generation", "intra_node_link", "pair_links", "parse_topo_matrix"]
+__all__ = [
+    "FAKE_CUDA_SUFFIX",
+    "LIMIT_MEANING",
+    "generation",
+    "intra_node_link",
+    "pair_links",
+    "parse_topo_matrix",
+]
+
+# The end of a GPU's name on CI's fake CUDA machine (labkit.emulate.fake_cuda): its links are not a node's
+FAKE_CUDA_SUFFIX = "(fake CUDA)"
 
 # Per GPU family: (NVLink generation, GB/s per link per direction, PCIe generation, GB/s of an x16
 # slot per direction). NVLink 2, 3 and 4 all run 25 GB/s per link per direction; the totals differ

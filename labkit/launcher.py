@@ -339,7 +339,9 @@ def _start_and_supervise(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=float(timeout_s))
     )
     env = dict(os.environ)
-    if not resolved.is_emulated:  # NCCL's flight recorder: what a hang or a skipped collective leaves to read
+    # collectives on NCCL: not on the emulated cluster, nor on CI's fake CUDA machine (emulated backend)
+    nccl = not (resolved.is_emulated or resolved.is_fake_cuda)
+    if nccl:  # NCCL's flight recorder: what a hang or a skipped collective leaves to read
         env.update(flight_recorder.env_for(run_dir))
     procs = [
         ctx.Process(
@@ -364,9 +366,7 @@ def _start_and_supervise(
         for p in procs:
             p.start()
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
-        outcomes = _supervise(
-            procs, run_dir, world_size, float(timeout_s), deadline, nccl=not resolved.is_emulated
-        )
+        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s), deadline, nccl=nccl)
     except BaseException:
         _stop(procs, grace_s=0.5)
         raise

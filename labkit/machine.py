@@ -14,7 +14,9 @@ FakeTensors, each operator timed on the described GPU) and, for a script's ranks
 * where values are checked: `computes_values`, `for_values()` (a simulated machine computes none, so
   numerics are checked on the emulated cluster at the same ranks);
 * time: `times_noisy` (repeated steps differ), `judged_by_verdict` (the lesson is judged by the course's
-  targets, `labkit.forecast.verdict`, not by the emulated cluster's exact checks), `gpu_name`;
+  targets, `labkit.forecast.verdict`, not by the emulated cluster's exact checks), `gpu_name`,
+  `times_host_python` (a tokenizer in the loop costs time), `fp32_peak()` (MFU's denominator),
+  `runs_cuda_kernels` (what Nsight Systems traces);
 * memory: `limited(mib)` and `counting()` (the cluster to run a step under a cap, or where nothing runs out),
   `caps_reserved` and `allocator_headroom_bytes` (on a card the cap limits the allocator's reserved
   segments), `optimizer_foreach` (whose temporaries `labkit.memory.estimate` counts),
@@ -30,7 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from labkit import calibrate
 from labkit.cluster import Cluster
+from labkit.op_time import FP32_PEAK_TFLOPS
 
 __all__ = ["LARGE_SEGMENT_BYTES", "Machine"]
 
@@ -82,6 +86,27 @@ class Machine:
             return self.cluster.gpus[0].name
         return self.cluster.gpu_name or "emulated GPU"
 
+    @property
+    def runs_cuda_kernels(self) -> bool:
+        """Do its ranks launch CUDA kernels, which Nsight Systems (`nsys`) and torch.profiler's CUDA activity
+        trace? Real GPUs only: not CI's fake CUDA machine (its tensors stay on the CPU), nor the emulated
+        cluster or a simulated machine."""
+        return self.cluster.kind == "gpu" and not self.cluster.is_fake_cuda
+
+    def fp32_peak(self) -> tuple[float | None, str]:
+        """The fp32 matmul rate a rank's device peaks at, in FLOP/s (MFU's denominator), and what it is: this
+        CPU's calibrated rate on one core where the ranks compute on this CPU (the emulated cluster, CI's fake
+        CUDA machine), else the GPU's fp32 datasheet peak (`labkit.op_time.FP32_PEAK_TFLOPS`; a simulated
+        machine's described GPU). (None, "") for a GPU whose peak is not known."""
+        if self.cluster.kind == "emulated" or self.cluster.is_fake_cuda:
+            gflops = self.cluster.cpu_gflops or calibrate.cpu_gflops().gflops
+            return gflops * 1e9, f"this CPU's calibrated fp32 matmul rate, {gflops:.1f} GFLOP/s per core"
+        name = self.gpu_name
+        tflops = next((v for k, v in FP32_PEAK_TFLOPS.items() if k in name.upper()), None)
+        if tflops is None:
+            return None, ""
+        return tflops * 1e12, f"{name}'s fp32 datasheet peak, {tflops:.0f} TFLOP/s"
+
     # ------------------------------------------------------------------ values
 
     @property
@@ -111,15 +136,41 @@ class Machine:
         return not self.cluster.is_simulated
 
     @property
+    def times_host_python(self) -> bool:
+        """Does a rank's time count Python work on its host beside the operators (a tokenizer in the training
+        loop)? Not on a simulated machine: its clock advances by each operator's modelled kernel time and
+        dispatch, and its tensors hold no tokens to work on."""
+        return not self.cluster.is_simulated
+
+    @property
     def judged_by_verdict(self) -> bool:
         """Is a lesson judged by the course's targets (`labkit.forecast.verdict`: real or fake GPUs, a
         simulated machine), rather than by the emulated cluster's exact checks?"""
         return self.cluster.kind in ("gpu", "simulated")
 
     @property
+    def collectives_modelled(self) -> bool:
+        """Does a collective take its links' α-β time here (`labkit.links`): the emulated cluster on its
+        virtual clock, a simulated machine, CI's fake CUDA machine (its collectives run on the emulated
+        backend)? Not real GPUs, whose NCCL reaches about 80 % of the line rate, or more with NVLS, nor the
+        wall clock."""
+        if self.cluster.kind == "gpu":
+            return self.cluster.is_fake_cuda
+        return self.cluster.is_emulated and self.cluster.clock in ("virtual", "simulated")
+
+    @property
     def gpu_sized(self) -> bool:
         """Do labs take their GPU sizes here (`LabParams.GPU_SIZES`)?"""
         return self.cluster.gpu_sized
+
+    def spare_gpu(self) -> Machine | None:
+        """A GPU of this host that the lab's ranks leave idle, as a one-rank machine to measure on: where they
+        run on the emulated cluster although the host has a GPU (fewer GPUs than ranks). None where the ranks
+        are on GPUs (real, fake or simulated) or the host has none."""
+        if self.cluster.kind != "emulated":
+            return None
+        one = Machine.resolve("auto", 1)
+        return one if one.cluster.kind == "gpu" else None
 
     # ------------------------------------------------------------------ memory
 
@@ -129,9 +180,9 @@ class Machine:
         return replace(self.cluster, memory_gib=memory_mib / 1024)
 
     def counting(self) -> Cluster:
-        """The cluster where a step's memory is read without running out: a budget too large to hit on the
-        emulated cluster (it only counts), the whole card elsewhere."""
-        return replace(self.cluster, memory_gib=1024 if self.cluster.kind == "emulated" else None)
+        """The cluster where a step's memory is read without running out: a budget (or a simulated card) too
+        large to hit, which only counts; on a GPU the whole card."""
+        return replace(self.cluster, memory_gib=1024 if self.cluster.is_emulated else None)
 
     @property
     def caps_reserved(self) -> bool:
@@ -139,10 +190,19 @@ class Machine:
         return self.cluster.kind == "gpu"
 
     @property
+    def memory_is_tensor_bytes(self) -> bool:
+        """Is a step's measured memory exactly its tensors' bytes (the emulated budget, a simulated card's
+        count), so that a prediction from tensor sizes must match it? Not on a GPU (CI's fake one too), where
+        CUDA's caching allocator rounds every block and, on a real card, libraries hold workspaces."""
+        return self.cluster.kind != "gpu"
+
+    @property
     def allocator_headroom_bytes(self) -> int:
-        """Room a step needs between its estimated live bytes and a cap, for the allocator's segments: one
-        large segment on a GPU (`LARGE_SEGMENT_BYTES`), none where live bytes are what is capped."""
-        return LARGE_SEGMENT_BYTES if self.caps_reserved else 0
+        """Room a step keeps under a cap for the caching allocator's segments: one large segment
+        (`LARGE_SEGMENT_BYTES`) on a GPU, and on a simulated one, which counts tensor bytes but stands for a
+        card (so that its choices are the card's); none on the emulated cluster, whose budget is the
+        lesson."""
+        return LARGE_SEGMENT_BYTES if self.cluster.kind in ("gpu", "simulated") else 0
 
     @property
     def optimizer_foreach(self) -> bool:

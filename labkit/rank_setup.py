@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from labkit import device_memory, emulate, flight_recorder, runtime
 from labkit.cluster import Cluster
+from labkit.emulate import fake_cuda
 
 __all__ = ["init_launched_rank", "init_torchrun_rank"]
 
@@ -36,16 +37,19 @@ def init_launched_rank(
     On the virtual clock each emulated GPU computes on one intra-op thread (its clock is that thread's CPU
     time); on the wall clock it gets its share of the cores, as each real GPU is its own device.
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if runtime.on_virtual_clock():
+        torch.set_num_threads(1)
+        runtime.pin_to_one_core(rank)
+        _keep_freed_memory()
+    elif cluster.is_emulated:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if cluster.is_emulated:
-        virtual = cluster.clock in ("virtual", "simulated")
-        torch.set_num_threads(1 if virtual else max(1, (os.cpu_count() or 1) // world_size))
-        if virtual:
-            runtime.pin_to_one_core(rank)
-            _keep_freed_memory()
+        backend, extra = emulate.register_backend(), {}
+    elif fake_cuda.active():  # CI's fake CUDA: a GPU rank's set-up, collectives on the emulated backend
+        _gpu_device(cluster.memory_gib)
         backend, extra = emulate.register_backend(), {}
     else:
-        dev = _gpu_device(local_rank, cluster.memory_gib)
+        dev = _gpu_device(cluster.memory_gib)
         backend, extra = "nccl", {"device_id": dev}
     dist.init_process_group(
         backend,
@@ -73,7 +77,7 @@ def init_torchrun_rank(timeout: timedelta, memory_gib: float | None = None) -> b
             f"torchrun started {local_world} processes on this node, which has {gpus} visible GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={visible}): one process per GPU, so --nproc-per-node {gpus}"
         )
-    dev = _gpu_device(local_rank, memory_gib)
+    dev = _gpu_device(memory_gib)
     # The flight recorder, read at the group's creation: a hang leaves dumps (python -m
     # labkit.flight_recorder)
     env = flight_recorder.env_for(Path.cwd() / "nccl_dumps")
@@ -89,9 +93,9 @@ def init_torchrun_rank(timeout: timedelta, memory_gib: float | None = None) -> b
     return True
 
 
-def _gpu_device(local_rank: int, memory_gib: float | None) -> torch.device:
+def _gpu_device(memory_gib: float | None) -> torch.device:
     """Set this rank's GPU, record its warm baseline and, with `memory_gib`, cap it that much above."""
-    dev = torch.device("cuda", local_rank)
+    dev = runtime.device()  # cuda:local_rank (the CPU on CI's fake CUDA machine)
     torch.cuda.set_device(dev)
     device_memory.record_baseline(dev)
     if memory_gib:

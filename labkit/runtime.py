@@ -20,6 +20,7 @@ import torch
 from labkit import _torch_compat as compat
 from labkit import emulate
 from labkit.cluster import Cluster
+from labkit.emulate import fake_cuda
 
 __all__ = [
     "CLUSTER_ENV",
@@ -50,10 +51,15 @@ def _cluster(raw: str | None) -> Cluster | None:
 
 
 def on_virtual_clock() -> bool:
-    """Is this rank timed on its virtual device clock (an emulated cluster with clock="virtual", or a
-    simulated machine, whose clock's compute is each operator's modelled time)?"""
+    """Is this rank timed on its virtual device clock (an emulated cluster with clock="virtual", a simulated
+    machine, whose clock's compute is each operator's modelled time, or a launched rank of CI's fake CUDA
+    machine, whose collectives run on the emulated backend)?"""
     cluster = current_cluster()
-    return cluster is not None and cluster.is_emulated and cluster.clock in ("virtual", "simulated")
+    if cluster is None:
+        return False
+    if cluster.is_emulated:
+        return cluster.clock in ("virtual", "simulated")
+    return fake_cuda.active()
 
 
 def on_simulated() -> bool:
@@ -63,10 +69,11 @@ def on_simulated() -> bool:
 
 
 def optimizer_options() -> dict[str, bool]:
-    """Keyword arguments for a torch optimizer made on this rank: on a simulated GPU, what torch picks for
-    CUDA tensors by default (`foreach=True`: one kernel per group of tensors, not a loop over them, which is
-    the default only for CUDA tensors); nothing elsewhere (torch's own default)."""
-    return {"foreach": True} if on_simulated() else {}
+    """Keyword arguments for a torch optimizer made on this rank: on a GPU (real, fake or simulated), what
+    torch picks for CUDA tensors by default (`foreach=True`: one kernel per group of tensors, not a loop over
+    them), whose temporaries `labkit.memory.estimate(foreach=True)` counts; nothing elsewhere (torch's own
+    default on CPU tensors: a loop)."""
+    return {"foreach": True} if on_simulated() or on_gpu() else {}
 
 
 def value_of(t: torch.Tensor) -> float:
@@ -81,8 +88,9 @@ def on_gpu() -> bool:
 
 
 def device() -> torch.device:
-    """This rank's device: `cuda:LOCAL_RANK` on a GPU cluster, else the CPU."""
-    if on_gpu():
+    """This rank's device: `cuda:LOCAL_RANK` on a GPU cluster, else the CPU (and on CI's fake CUDA machine,
+    whose tensors stay on the CPU)."""
+    if on_gpu() and not fake_cuda.active():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 

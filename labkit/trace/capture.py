@@ -85,7 +85,9 @@ def capture(
 
     out = _trace_path(path, _rank())
     out.parent.mkdir(parents=True, exist_ok=True)
-    cuda = runtime.on_gpu()
+    # CUDA activity where the rank's tensors are on a CUDA device: not on CI's fake CUDA machine, whose
+    # tensors stay on the CPU (a CPU build's profiler fails every op's CUDA event there)
+    cuda = runtime.device().type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
     anchors: list[tuple[int, int]] = []  # perf_counter_ns just before and after each clock_sync

@@ -55,6 +55,32 @@ def run_solution(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     return run
 
 
+@pytest.fixture
+def run_on_fake_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[dict[str, Any], str]]:
+    """`run_on_fake_cuda(lab, gpus=2, **overrides)`: the solution notebook's real-GPU branch, run with papermill
+    on CI's fake CUDA machine of `gpus` GPUs (`labkit.emulate.fake_cuda`: torch.cuda's memory API on labkit's
+    caching-allocator model, tensors on the CPU, collectives on the virtual clock) with cluster "auto", its
+    Params.TEST and `overrides`; (its records, the text it printed). A failing cell fails the test."""
+
+    def run(lab: str, gpus: int = 2, **overrides: Any) -> tuple[dict[str, Any], str]:
+        monkeypatch.setenv("LABKIT_FAKE_CUDA", str(gpus))
+        params = {**registry.params_of(lab).TEST, "cluster": "auto", **overrides}
+        out = tmp_path / f"{lab}_fake_cuda.ipynb"
+        done = execute(
+            ROOT / "solutions" / f"{lab}.ipynb", out, parameters=params, cwd=tmp_path, cell_timeout=300
+        )
+        assert done.ok, f"{lab} on fake CUDA with {params}: {done.error}"
+        return read_records(out), printed(out)
+
+    return run
+
+
+def printed(path: Path) -> str:
+    """Everything a run notebook printed (its stream outputs), in order."""
+    nb = nbformat.read(path, as_version=4)
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
 def code_cells(path: Path) -> list[str]:
     return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
 
@@ -249,23 +275,26 @@ def _fewest_ranks(lab: str) -> int:
 
 
 @pytest.fixture
-def gpu_notebook(tmp_path: Path) -> Callable[[str], dict[str, Any]]:
-    """`gpu_notebook(lab)`: the solution notebook on this machine's GPUs when it has as many as the lab's
-    default ranks (cluster="gpu"), else on "auto", which picks the emulated cluster as a learner's would; its
-    records."""
+def gpu_notebook(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """`gpu_notebook(lab, **overrides)`: the solution notebook on this machine's GPUs (cluster="gpu"), on the
+    ranks the lab takes on a node of this many GPUs (`Params.for_machine`), its Params.TEST and `overrides`;
+    its records. Skipped, saying why, where the node has fewer GPUs than those ranks: a run that fell back to
+    the emulated cluster would prove nothing about the GPU branch."""
 
-    def run(lab: str) -> dict[str, Any]:
+    def run(lab: str, **overrides: Any) -> dict[str, Any]:
         params = registry.params_of(lab)
-        cluster = "gpu" if _gpus() >= (params().ranks or 1) else "auto"
+        gpus = _gpus()
+        ranks = params().for_machine(gpus).ranks or 1
+        if gpus < ranks:
+            pytest.skip(f"{lab} takes {ranks} GPU ranks for its lesson; this node has {gpus}")
+        parameters = {**params.TEST, "cluster": "gpu", **overrides}
+        if params.RANKS:
+            parameters.setdefault(params.RANKS, ranks)
         out = tmp_path / f"{lab}.ipynb"
         done = execute(
-            ROOT / "solutions" / f"{lab}.ipynb",
-            out,
-            parameters={**params.TEST, "cluster": cluster},
-            cwd=tmp_path,
-            cell_timeout=300,
+            ROOT / "solutions" / f"{lab}.ipynb", out, parameters=parameters, cwd=tmp_path, cell_timeout=300
         )
-        assert done.ok, f"{lab} on {cluster}: {done.error}"
+        assert done.ok, f"{lab} on {gpus} GPU(s) with {parameters}: {done.error}"
         return read_records(out)
 
     return run
