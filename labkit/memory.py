@@ -230,6 +230,7 @@ def estimate(
     tp: int = 1,
     pp: int = 1,
     micro_batches: int | None = None,
+    foreach: bool = False,
 ) -> MemoryBreakdown:
     """Per-rank training memory from formulas (no tensors are built).
 
@@ -258,9 +259,13 @@ def estimate(
     gradients of later blocks (with checkpointing); the gradients (optimizer step).
     On small lab models this matched ``measure`` within 1 % without and within 4 % with
     checkpointing (see tests). Not counted: ZeRO-3's gathered layers, communication
-    buckets, allocator overheads, and optimizer-step temporaries (torch's for-loop Adam on
-    CPU makes two copies of the largest tensor, its for-each Adam, the CUDA default, about
-    one fp32 copy of all parameters).
+    buckets, allocator overheads, and the for-loop Adam's temporaries (torch's default on CPU
+    tensors: a copy or two of the largest tensor).
+
+    ``foreach``: the optimizer runs torch's for-each implementation, which torch.optim picks for
+    CUDA tensors (``Machine.optimizer_foreach``). Its Adam and AdamW take the square root of every
+    second moment into new tensors with one for-each call (``torch/optim/adam.py``): one more copy
+    of the optimizer state during the step, which the optimizer-step moment counts.
 
     Model parallelism (a ``GPTConfig``): ``tp`` ranks share each block's matrices (Megatron,
     ``labkit.parallel.tensor``: norms, biases after g, embedding and head stay whole), ``pp``
@@ -297,7 +302,7 @@ def estimate(
         validate.positive_int("micro_batches", micro_batches, "estimate(..., pp=4, micro_batches=8)")
     n, config = _count_params(params, model)
     knobs = _Knobs(dp, zero_stage, precision, optimizer, micro_batch, seq_len, recompute, keep_grads,
-                   activations, tp)
+                   activations, tp, foreach)
     if config is None:
         return _estimate_stage(_shard(n, tp * pp), None, 1, 0, knobs, f"tp={tp}, pp={pp}")
     check_model_parallel(config, tp, pp)
@@ -368,6 +373,7 @@ class _Knobs:
     keep_grads: bool
     activations: str
     tp: int
+    foreach: bool
 
 
 def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k: _Knobs, where: str,
@@ -379,9 +385,13 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k
     grad_mem = (_shard(n, k.dp) if k.zero_stage >= 2 else n) * g_bytes
     opt_mem = (_shard(n, k.dp) if k.zero_stage >= 1 else n) * k_bytes
     live_grads = 0 if k.keep_grads else grad_mem  # gradients that appear during the step
+    state_bytes = PRECISIONS[k.precision][3]
+    # for-each Adam: sqrt(exp_avg_sq) of every parameter at once, in the state's dtype (estimate's docstring)
+    foreach_mem = (opt_mem // k_bytes) * state_bytes if k.foreach and OPTIMIZERS[k.optimizer] == 2 else 0
 
     act_mem = other = 0
-    transient, moment = live_grads, "optimizer"  # the optimizer step holds all gradients
+    # the optimizer step holds all gradients (and the for-each temporaries)
+    transient, moment = live_grads + foreach_mem, "optimizer"
     if config is not None:
         seq = config.seq_len if k.seq_len is None else k.seq_len
         act_mem, other, peak_of_backward, backward_moment = _activations(

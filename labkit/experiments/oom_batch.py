@@ -26,14 +26,15 @@ from labkit import device_memory, runtime, validate
 from labkit.batch import accumulation_steps
 from labkit.experiments.params import LabParams, ParamError, gpt_param, param, simulable_cluster
 from labkit.experiments.script import LabRecords, Meaning, Where, main
+from labkit.machine import Machine
 from labkit.measured_memory import BatchSearch, find_max_batch, free_memory, measure
 from labkit.memory import MemoryBreakdown, estimate
-from labkit.models import PRESETS, GPTConfig, seeded_model, synthetic_batch
+from labkit.models import PRESETS, GPTConfig
 from labkit.parallel.data import accumulate_with_no_sync
 from labkit.timer import Span
 from labkit.training.job import TrainingJob
 from labkit.training.reference import rank_rows
-from labkit.training.trainer import Forward, Trainer
+from labkit.training.trainer import Trainer
 
 __all__ = [
     "DPResult",
@@ -96,6 +97,7 @@ class DPResult:
     checkpointing: bool
     peak_bytes: int  # peak memory of the last optimizer step on this rank
     peak_source: str  # "emulated budget" or "torch.cuda.max_memory_allocated, net of the warm baseline"
+    reserved_peak_bytes: int  # the allocator's reserved peak of that step (a GPU's cap limits it)
     allreduce_calls: int  # bucket all-reduces DDP issued in the last optimizer step
     buckets: int  # DDP's buckets (distinct bucket indices seen in that step)
     allreduce_bytes: int  # bytes of gradient buckets all-reduced in that step
@@ -152,17 +154,7 @@ def dp_train(
     # Several runs can share a rank (e.g. one launch comparing options): let the collector
     # free what earlier ones left in reference cycles, so the peak counts this run only.
     free_memory()
-    job = TrainingJob(
-        global_batch=global_batch,
-        micro_batch=micro_batch,
-        optimizer="adam",
-        lr=1e-3,
-        precision=precision,
-        checkpointing=checkpointing,
-        grad_sync="ddp",  # labkit's OverlappedDDP on a simulated machine (training.grad_sync.make_grad_sync)
-        bucket_cap_mb=bucket_cap_mb,
-        seed=seed,
-    )
+    job = _lab_job(global_batch, micro_batch, precision, checkpointing, bucket_cap_mb, seed)
     with device_memory.tracked():
         trainer = Trainer(job, config, steps=optimizer_steps)
         grads: Any = None  # numpy copy of the first step's gradients
@@ -200,6 +192,7 @@ def dp_train(
         checkpointing=checkpointing,
         peak_bytes=peak.peak_bytes,
         peak_source=peak.source,
+        reserved_peak_bytes=peak.reserved_peak_bytes,
         allreduce_calls=len(calls),
         buckets=len({index for index, _ in calls}),
         allreduce_bytes=sum(nbytes for _, nbytes in calls),
@@ -207,6 +200,24 @@ def dp_train(
         loss=runtime.value_of(losses[-1]),  # NaN on a simulated machine, which computes no values
         grads_array=grads,
         breakdown=measured,
+    )
+
+
+def _lab_job(
+    global_batch: int, micro_batch: int, precision: str, checkpointing: bool, bucket_cap_mb: float, seed: int
+) -> TrainingJob:
+    """The lab's training job: Adam under DDP (labkit's OverlappedDDP on a simulated machine,
+    `training.grad_sync.make_grad_sync`), as `dp_train` and the batch finder's trials run it."""
+    return TrainingJob(
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        optimizer="adam",
+        lr=1e-3,
+        precision=precision,
+        checkpointing=checkpointing,
+        grad_sync="ddp",
+        bucket_cap_mb=bucket_cap_mb,
+        seed=seed,
     )
 
 
@@ -222,6 +233,7 @@ def max_micro_batch(
     *,
     precision: str = "fp32",
     checkpointing: bool = False,
+    bucket_cap_mb: float = 1.0,
     start: int = 1,
     limit: int = 4096,
     seed: int = 0,
@@ -229,27 +241,24 @@ def max_micro_batch(
     """``find_max_batch`` for one rank's training step of ``GPT(config)`` on this device.
 
     Run it where the memory limit is (``labkit.launch`` on a cluster with ``memory_gib``: the emulated budget,
-    or the GPU with its memory cap). The trial step is a plain (non-DDP) step with Adam and
-    ``zero_grad(set_to_none=False)``: the same bytes as a ``dp_train`` rank, whose gradients live in DDP's
-    buckets for the whole step (both match ``estimate(..., keep_grads=True)`` in the tests). Trials do not
-    communicate, so an OOM on one rank never leaves another waiting in a collective (a DDP step failing
-    mid-backward could).
+    or the GPU with its memory cap). Each trial is the lab's step, as ``dp_train`` runs it: the course's
+    training job under DDP with Adam (two optimizer steps: the first makes Adam's states and lets DDP rebuild
+    its buckets), one micro-batch of the trial's size. On a GPU a cap limits the allocator's reserved
+    segments, so only the lab's own tensors, buckets and optimizer temporaries say whether it fits: a plain
+    step without DDP passed the H200's cap where the lab's step then ran out. The DDP of a trial spans this
+    rank alone (every rank makes its group of one here), so an OOM on one rank never leaves another waiting in
+    a collective.
     """
     validate.one_of("precision", precision, _DP_PRECISIONS, "'autocast' (bf16 autocast) or 'fp32'")
     free_memory()  # what earlier runs on this rank left in reference cycles
-    device = runtime.device()
-    model = seeded_model(config, seed, device, checkpointing=checkpointing)
-    forward = Forward(model, precision == "autocast")
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, **runtime.optimizer_options())
+    alone, _ = dist.new_subgroups(group_size=1)
 
     def step(batch: int) -> None:
-        try:
-            x, y = synthetic_batch(config, batch, seed=seed, device=device)
-            forward(x, y).backward()
-            optimizer.step()
-        finally:
-            forward.losses.clear()
-            optimizer.zero_grad(set_to_none=False)
+        job = _lab_job(batch, batch, precision, checkpointing, bucket_cap_mb, seed)
+        trainer = Trainer(job, config, steps=2, process_group=alone)
+        for _ in range(2):
+            trainer.forward_backward(accumulate_with_no_sync)
+            trainer.update()
 
     return find_max_batch(step, start=start, limit=limit)
 
@@ -301,22 +310,32 @@ class Params(LabParams):
 
     # On a GPU the cap is on what CUDA's caching allocator *reserves*, and it reserves in segments (2 MiB for
     # blocks up to 1 MiB, 20 MiB for blocks up to 10 MiB: c10/cuda/CUDACachingAllocator.cpp, kSmallBuffer and
-    # kLargeBuffer), so a step of this small model reserves some 16-18 MiB more than it allocates. Replayed
-    # through labkit's model of that allocator (tests/experiments/test_oom_batch_gpu.py): at 28 MiB even the
-    # accumulation exercise (24 MiB allocated, 42 reserved) would run out on a card. 48 MiB is chosen from
-    # that replay, with 64 sequences per rank so that the fix still accumulates: the step as written
-    # allocates 171 MiB (out of memory), the exercise reserves 42 (24 allocated), the fixed step (autocast +
-    # checkpointing, micro-batch 32 x 2) 42 (32 allocated); micro-batch 64 would reserve 78.
-    GPU_SIZES = {"memory_mib": 48.0}
+    # kLargeBuffer), so a step of this small model reserves some 10-18 MiB more than it allocates, and one
+    # more CUDA-only tensor of a few MiB (a workspace, a cast cache, NCCL's buffers) takes a new 20 MiB
+    # segment.
+    # Replayed through labkit's model of that allocator (tests/experiments/test_oom_batch_gpu.py and the
+    # notebook on CI's fake CUDA machine): the fixed step (autocast + checkpointing, micro-batch 32 x 2)
+    # allocates 32 MiB and reserves 42, so a cap of 48 MiB (the one H200 run: "Tried to allocate 20.00 MiB")
+    # leaves 6 MiB; 64 MiB leaves a large segment's 20 (labkit.machine.LARGE_SEGMENT_BYTES), while the step as
+    # written (171 MiB allocated) still runs out. 64 sequences per rank so that the fix still accumulates.
+    GPU_SIZES = {"memory_mib": 64.0}
     GPU_SEQUENCES_PER_RANK = 64
     LAB = "02_oom_batch"
     # its exercise's gradients are checked on the emulated cluster; the rest runs on the simulated machine
     NOTEBOOK_SIMULATED = True
-    ONE_GPU_RANKS = 1
-    ONE_GPU = "its lessons are one rank's memory, and DDP on one rank still buckets and all-reduces"
+    RANKS_WHY = (
+        "its lessons are one rank's memory, which more ranks do not change: 2 ranks (DDP's all-reduce, which "
+        "no_sync skips), 1 on a one-GPU machine (DDP on one rank still buckets and all-reduces)"
+    )
     TEST = {"cluster": "cpu", "big_preset": "gpt2"}  # FakeTensors of gpt2, not of 7B: 1 s, not 9
     # the per-rank share stays 32 at any world size: the step as written needs 4.3 MiB, the fixed one 0.7
     SMOKE = {"n_layers": 2, "d_model": 32, "vocab_size": 256, "seq_len": 16, "memory_mib": 1.0}
+
+    @classmethod
+    def ranks_on(cls, gpus: int) -> int | None:
+        # one rank on a one-GPU machine rather than two emulated ones beside an idle GPU; on several GPUs its
+        # default 2: the per-rank memory is the same on 8, and the global batch (64 per rank) would only grow
+        return 1 if gpus == 1 else None
 
     def check(self) -> None:
         self.check_multiple(
@@ -347,16 +366,23 @@ class Params(LabParams):
 
 
 
-def fixed_micro_batch(p: Params) -> tuple[int, MemoryBreakdown]:
+def fixed_micro_batch(p: Params, machine: Machine | None = None) -> tuple[int, MemoryBreakdown]:
     """The fixed step's micro-batch: the largest divisor of the per-rank batch whose estimate with bf16
-    autocast and activation checkpointing (`labkit.memory.estimate`) fits `memory_mib`, and that estimate."""
+    autocast and activation checkpointing (`labkit.memory.estimate`, with the machine's optimizer and
+    gradient sync) fits `memory_mib`, less the room the machine's allocator needs for its segments
+    (`Machine.allocator_headroom_bytes`: one large segment on a GPU), and that estimate."""
+    machine = machine or p.machine()
     per_rank, config = p.global_batch // p.world_size, p.config()
     estimates = {
-        m: estimate(model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True)
+        m: estimate(model=config, precision="autocast", checkpointing=True, micro_batch=m, keep_grads=True,
+                    foreach=machine.optimizer_foreach)
         for m in range(per_rank, 0, -1)
         if per_rank % m == 0
     }  # largest first
-    micro = next((m for m, e in estimates.items() if e.peak <= p.memory_mib * _MIB), None)
+    room = p.memory_mib * _MIB - machine.allocator_headroom_bytes
+    micro = next(
+        (m for m, e in estimates.items() if e.peak + machine.grad_sync_extra_bytes(e.grads) <= room), None
+    )
     if micro is None:
         raise ParamError(
             "memory_mib",
@@ -378,7 +404,7 @@ def headline(w: Where, p: Params) -> LabRecords:
     compared."""
     config = p.config()
     per_rank = p.global_batch // w.world_size
-    micro, estimated = fixed_micro_batch(p)
+    micro, estimated = fixed_micro_batch(p, Machine.resolve(w.cluster, w.world_size))
     counting, limited = w.cluster, w.cluster
     if w.emulated:  # a budget too large to hit only counts; the lab's budget enforces
         counting, limited = (

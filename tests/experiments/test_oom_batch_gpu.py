@@ -11,9 +11,12 @@ there: the step as written does not fit, the accumulation exercise and the fixed
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from labkit import Cluster, launch
 from labkit.emulate import MemoryBudget
 from labkit.experiments.oom_batch import Params, dp_train, fixed_micro_batch
+from labkit.machine import LARGE_SEGMENT_BYTES, Machine
 
 MiB = 2**20
 
@@ -31,9 +34,10 @@ def _replay(config, per_rank: int, runs: list[tuple[str, int, bool]]) -> list[tu
 
 def test_lab_02s_gpu_sizes_show_the_oom_and_its_fix_on_a_card_and_the_emulated_default_would_not():
     p = Params().resolve(on_gpu=True)
-    assert (p.memory_mib, p.global_batch) == (48.0, 128)
+    assert (p.memory_mib, p.global_batch) == (64.0, 128)
     per_rank = p.global_batch // p.world_size
-    micro, _ = fixed_micro_batch(p)
+    card = Machine(replace(Cluster.preset("dgx-h100"), kind="gpu"), p.world_size)  # a cap on reserved bytes
+    micro, _ = fixed_micro_batch(p, card)
     assert micro < per_rank  # the fix still accumulates
     emulated = Params().resolve(on_gpu=False)
     assert (emulated.memory_mib, emulated.global_batch) == (28, 64)  # the CPU defaults stay
@@ -43,6 +47,9 @@ def test_lab_02s_gpu_sizes_show_the_oom_and_its_fix_on_a_card_and_the_emulated_d
     )[0]
     assert written > p.memory_mib  # as written: out of memory on the card
     assert exercise <= p.memory_mib and fixed <= p.memory_mib  # reserved, what the cap limits
+    # with a large segment (20 MiB) to spare for one CUDA-only tensor of a few MiB: at 48 MiB the H200 ran out
+    # ("Tried to allocate 20.00 MiB"), the fixed step reserving 42 of them
+    assert fixed + LARGE_SEGMENT_BYTES / MiB <= p.memory_mib
     # What the replay found, pinned: at the emulated default of 28 MiB the exercise's step (fp32, micro-batch
     # 4) allocates less than 28 MiB but reserves more, so on a card it would run out
     ((allocated, reserved),) = launch(
