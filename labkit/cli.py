@@ -1,6 +1,8 @@
 """`labkit doctor | run | build | report | quiz | grade`: the course from a terminal or CI.
 
-labkit doctor                      what this machine is, and a 2-rank smoke test
+labkit doctor [--as PRESET[:NODES]]
+                                   what this machine is, a 2-rank smoke test and where each lab runs;
+                                   --as: where each lab would run on a preset machine (nothing runs)
 labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs] [-p KEY VALUE]
                                    execute the solution notebooks, write the report
 labkit build [--check]             write labs/ from solutions/ (or check it is current)
@@ -39,9 +41,17 @@ def _root(arg: str | None) -> Path:
 
 
 def doctor(args: argparse.Namespace) -> int:
+    from labkit.course.doctor import describe_machine, machine_named
     from labkit.course.doctor import doctor as check_machine
 
-    return check_machine(args.cluster, args.recalibrate)
+    if args.machine is None:
+        return check_machine(args.cluster, args.recalibrate)
+    try:
+        machine = machine_named(args.machine)
+    except ValueError as exc:  # the value, the known presets and the fix
+        print(f"labkit doctor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return describe_machine(machine)
 
 
 # ---------------------------------------------------------------------- run
@@ -310,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         "--recalibrate",
         action="store_true",
         help="measure this CPU's GFLOP/s again (the emulated links' scale) and update the cache",
+    )
+    p.add_argument(
+        "--as",
+        dest="machine",
+        metavar="PRESET[:NODES]",
+        help="instead, where each lab would run by default on a machine you do not have, a cluster preset "
+        "(dgx-h100, dgx-h200, dgx-a100-80gb; dgx-h100:2 for two nodes), and why: no GPU needed, nothing runs",
     )
     p.set_defaults(func=doctor)
 

@@ -122,8 +122,10 @@ def test_doctor_on_a_node_with_one_gpu_says_which_labs_use_it(capsys, monkeypatc
     assert "this node has 1 GPU: its lesson is gradient communication between ranks" in three
     # lab 02 takes one rank there and runs it on the GPU; lab 01 stays on its emulated two nodes
     assert "GPU: 1 rank on NCCL: its lessons are one rank's memory" in lines["02_oom_batch"]
-    assert "its default: it needs two nodes" in lines["01_parallelism_choice"]
-    assert "profiles the layers on this GPU" in lines["04_imbalanced_pipeline"]
+    assert "its default: its mistake is tensor parallelism across the link between two nodes" in (
+        lines["01_parallelism_choice"]
+    )
+    assert "the layers also profiled on a GPU" in lines["04_imbalanced_pipeline"]
 
 
 def _fake_lab(outcomes: dict[str, str]):
@@ -234,3 +236,88 @@ def test_doctor_names_the_labs_that_run_on_a_simulated_machine(capsys):
     where_labs_run(0)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("simulated"))
     assert "labs 00, 01, 02, 03, 04, 05, 06 " in line and "--cluster sim:dgx-h100" in line
+
+
+def _lab_lines(out: str) -> dict[str, str]:
+    """The doctor's line for each lab, by the lab's name."""
+    return {line.split()[0]: line for line in out.splitlines() if line.startswith("          0")}
+
+
+# the labs whose lesson is about several ranks: every GPU of an 8-GPU node (lab 01: its 8 emulated ranks)
+ALL_EIGHT = [
+    "00_cluster_tour",
+    "01_parallelism_choice",
+    "03_unoverlapped_comms",
+    "05_unprofiled_run",
+    "06_capstone",
+]
+
+
+def _describe_only(monkeypatch) -> None:
+    """`labkit doctor --as` describes: it must not look for GPUs, calibrate this CPU or start a rank."""
+    from labkit import calibrate, launcher
+    from labkit.cluster import Cluster
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("labkit doctor --as ran something")
+
+    monkeypatch.setattr(Cluster, "detect", classmethod(refuse))
+    monkeypatch.setattr(launcher, "launch", refuse)
+    monkeypatch.setattr(calibrate, "cpu_gflops", refuse)
+
+
+def test_doctor_as_dgx_h100_says_where_each_lab_would_run_on_its_8_gpus(capsys, monkeypatch):
+    _describe_only(monkeypatch)
+    assert main(["doctor", "--as", "dgx-h100"]) == 0
+    out = capsys.readouterr().out
+    assert "1 node(s) x 8 H100" in out
+    lines = _lab_lines(out)
+    assert sorted(lines) == sorted([*ALL_EIGHT, "02_oom_batch", "04_imbalanced_pipeline"])  # one line each
+    for lab in ALL_EIGHT:
+        assert " 8 ranks" in lines[lab], lines[lab]
+    for lab in ("00_cluster_tour", "03_unoverlapped_comms", "05_unprofiled_run", "06_capstone"):
+        assert "GPUs: 8 ranks on NCCL: " in lines[lab], lines[lab]
+    lab01 = lines["01_parallelism_choice"]
+    assert "emulated cluster: 8 ranks, its default: its mistake is tensor parallelism" in lab01
+    assert "GPUs: 8 ranks on NCCL: a stage per rank" in lines["04_imbalanced_pipeline"]
+    assert "GPUs: 2 ranks on NCCL: its lessons are one rank's memory" in lines["02_oom_batch"]
+    assert "--cluster sim:dgx-h100 --world-size 8" in out
+    assert "nodes     " not in out  # one node: nothing to say about torchrun across nodes
+
+
+def test_doctor_as_a_preset_of_two_nodes_runs_notebooks_on_one_and_names_torchrun_for_both(
+    capsys, monkeypatch
+):
+    _describe_only(monkeypatch)
+    assert main(["doctor", "--as", "dgx-a100-80gb:2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 node(s) x 8 A100" in out
+    lines = _lab_lines(out)
+    for lab in ALL_EIGHT:
+        assert " 8 ranks" in lines[lab], lines[lab]
+    (nodes,) = [line for line in out.splitlines() if line.startswith("nodes     ")]
+    assert "all 16 GPUs of the 2 nodes" in nodes and "torchrun --nnodes 2 --nproc-per-node 8" in nodes
+
+
+def test_doctor_on_a_node_of_8_gpus_says_its_labs_use_them(capsys):
+    from labkit.course.doctor import where_labs_run
+
+    where_labs_run(8)
+    lines = _lab_lines(capsys.readouterr().out)
+    for lab in ALL_EIGHT:
+        assert " 8 ranks" in lines[lab], lines[lab]
+    where = lines["00_cluster_tour"].split(None, 1)[1]
+    assert where.startswith("GPUs: 8 ranks on NCCL: its lesson is the link"), where
+
+
+@pytest.mark.parametrize("spec", ["dgx-h1000", "dgx-h100:0", "dgx-h100:two", "sim:dgx-h100"])
+def test_doctor_as_an_unknown_machine_exits_2_with_the_value_the_known_presets_and_the_fix(
+    spec, capsys, monkeypatch
+):
+    _describe_only(monkeypatch)
+    assert main(["doctor", "--as", spec]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err
+    assert err.startswith(f"labkit doctor: --as {spec!r} is not a machine labkit knows")
+    assert "dgx-a100-80gb, dgx-h100, dgx-h200" in err and "e.g. --as dgx-h100" in err

@@ -2,8 +2,10 @@
 
 `doctor` prints the Python, memory, torch and CUDA versions, this CPU's calibration (`labkit.calibrate`), the
 GPUs (`Cluster.detect`), a small all-reduce on the cluster asked for, one line per lab saying where it runs by
-default and why (`where_labs_run`, from each lab's `Params`), the labs that also run on a simulated DGX, and a
-one-line verdict. The command line (`labkit.cli`) only parses its options.
+default, on how many ranks and why (`where_labs_run`: each lab's `Params.for_machine` rule and its
+`RANKS_WHY`), the labs that also run on a simulated DGX, and a one-line verdict. `describe_machine` prints the
+same table for a machine you do not have (`labkit doctor --as dgx-h100`, `machine_named`), without a GPU and
+without starting a rank. The command line (`labkit.cli`) only parses its options.
 """
 
 from __future__ import annotations
@@ -11,40 +13,89 @@ from __future__ import annotations
 import os
 import platform
 import time
+from typing import TYPE_CHECKING
 
-__all__ = ["NOT_READY", "doctor", "where_labs_run"]
+if TYPE_CHECKING:
+    from labkit.cluster import Cluster
+    from labkit.experiments.params import LabParams
+
+__all__ = ["NOT_READY", "describe_machine", "doctor", "lab_line", "machine_named", "where_labs_run"]
 
 NOT_READY = 1  # the exit status of a machine that is not ready (labkit.cli.EXIT_FAILED)
+_INDENT = " " * 10  # under the first column's words ("labs      ")
 
 
+def machine_named(spec: str) -> Cluster:
+    """`labkit doctor --as`: a preset of `labkit.cluster.PRESETS`, optionally `:NODES` ("dgx-h100",
+    "dgx-a100-80gb:2"), as a described cluster; ValueError with the value, the known names and the fix."""
+    from labkit.cluster import PRESETS, Cluster
+
+    name, _, nodes = spec.partition(":")
+    if name not in PRESETS or (nodes and not (nodes.isdigit() and int(nodes) >= 1)):
+        raise ValueError(
+            f"--as {spec!r} is not a machine labkit knows; use a cluster preset, optionally with :NODES (1 "
+            f"or more), among {', '.join(sorted(PRESETS))}: e.g. --as dgx-h100, or --as dgx-h100:2 for two "
+            "nodes"
+        )
+    return Cluster.preset(name, nodes=int(nodes) if nodes else 1)
 
 
-def where_labs_run(gpus: int) -> None:
-    """One line per lab: on NCCL when this node has a GPU per rank of its default run (on a one-GPU node the
-    ranks it takes there, `Params.for_machine`), else on the emulated cluster, and why."""
+def lab_line(params_class: type[LabParams], gpus: int, here: bool = True) -> str:
+    """Where lab `params_class` runs by default on a machine with `gpus` GPUs (`Params.for_machine`): on NCCL
+    when it has a GPU per rank, else on the emulated cluster, with the lab's why (`RANKS_WHY`). `here`:
+    this machine; else a described one ("there")."""
+    params = params_class().for_machine(gpus)
+    ranks = params.ranks or 2
+    why = params.RANKS_WHY or "its default"
+    if params.cluster == "cpu":  # lab 01: the emulated cluster whatever the GPUs
+        return f"emulated cluster: {ranks} ranks, its default: {why}"
+    if gpus >= ranks:  # what Cluster.resolve("auto", ranks) picks: NCCL, one process per GPU
+        plural = "s" if ranks > 1 else ""
+        return f"GPU{plural}: {ranks} rank{plural} on NCCL: {why}"
+    if gpus:
+        node = "this node" if here else "a node there"
+        return f"emulated cluster: {ranks} ranks, {node} has {gpus} GPU{'s' if gpus > 1 else ''}: {why}"
+    return f"emulated cluster: {ranks} ranks, no GPU {'here' if here else 'there'}"
+
+
+def where_labs_run(gpus: int, machine: Cluster | None = None) -> None:
+    """One line per lab (`lab_line`) for a node with `gpus` GPUs: this machine's, or one of `machine`'s
+    nodes (a described preset: `labkit run` starts each notebook's ranks on one machine); then the labs that
+    also run on a simulated machine."""
     from labkit.experiments import registry
 
-    print("labs      where each runs here by default (its cluster, its ranks):")
+    if machine is None:
+        print("labs      where each runs here by default (its cluster, its ranks, and why):")
+    else:
+        print("labs      where labkit run would run each there by default (its cluster, its ranks, and why):")
     for name in registry.LABS:
-        params = registry.params_of(name)().for_machine(gpus)
-        ranks = params.ranks or 2
-        why = f": {params.ONE_GPU}" if gpus == 1 and params.ONE_GPU else ""
-        if params.cluster == "cpu":
-            where = f"emulated cluster: {ranks} ranks, its default: {params.ONE_GPU or 'cluster=cpu'}"
-        elif gpus >= ranks:
-            where = f"GPU{'s' if ranks > 1 else ''}: {ranks} rank{'s' if ranks > 1 else ''} on NCCL{why}"
-        elif gpus:
-            where = f"emulated cluster: {ranks} ranks, this node has {gpus} GPU{'s' if gpus > 1 else ''}{why}"
-        else:
-            where = f"emulated cluster: {ranks} ranks, no GPU here"
-        print(f"          {name:24} {where}")
+        print(f"{_INDENT}{name:24} {lab_line(registry.params_of(name), gpus, here=machine is None)}")
+    preset = machine.preset_name if machine is not None else "dgx-h100"
     simulable = [name for name in registry.LABS if _runs_simulated(registry.params_of(name))]
     if simulable:
         print(
             f"simulated labs {', '.join(n[:2] for n in simulable)} also run as scripts on a simulated DGX at "
             f"GPU sizes, no GPU needed, e.g. python -m {registry.module_of(simulable[0])} --cluster "
-            "sim:dgx-h100 --world-size 8 (README: A simulated DGX)"
+            f"sim:{preset} --world-size {gpus if machine is not None else 8} (README: A simulated DGX)"
         )
+
+
+def describe_machine(machine: Cluster) -> int:
+    """`labkit doctor --as`: the described `machine` (a preset's nodes) and where each lab would run there
+    by default, and why. It needs no GPU and starts no rank: it describes; 0."""
+    print(f"machine   {machine.preset_name} as described (labkit doctor --as): no GPU needed, nothing runs")
+    print(machine.describe())
+    per_node = machine.gpus_per_node
+    where_labs_run(per_node, machine)
+    if machine.nodes > 1:
+        print(
+            f"nodes     labkit run starts each notebook's ranks on one machine: {per_node} GPUs of one node, "
+            f"as above. A lab's script uses all {machine.world_size} GPUs of the {machine.nodes} nodes under "
+            f"torchrun, started on each node: torchrun --nnodes {machine.nodes} --nproc-per-node {per_node} "
+            "--rdzv-backend c10d --rdzv-endpoint HOST:29500 -m labkit.experiments.<lab> (README: several "
+            "nodes); there lab 01's tensor parallelism crosses a real link between nodes"
+        )
+    return 0
 
 
 def _runs_simulated(params: type) -> bool:

@@ -1,8 +1,9 @@
 """The capstone's driver: the course's one training job with two or three of its mistakes planted.
 
-`draw(seed)` deals a `Capstone`: a GPT, the job as handed over (a `labkit.training.TrainingJob` with mistakes
-of `DEALT` planted by the knobs `labkit.training.MISTAKES` names), chosen by the seed so that every learner,
-or every exam sitting, gets a different job, and the memory of the job's (emulated) GPU. `train(capstone,
+`draw(seed, machine)` deals a `Capstone`: a GPT, the job as handed over (a `labkit.training.TrainingJob` with
+mistakes of `DEALT` planted by the knobs `labkit.training.MISTAKES` names), chosen by the seed so that every
+learner, or every exam sitting, gets a different job, and the memory of the job's (emulated) GPU, as the
+machine it runs on (a `labkit.machine.Machine`) shows them. `train(capstone,
 jobs, trace_dir)` measures jobs on every rank (launch it with `labkit.launch`): each job's memory inside the
 GPU's memory, its step time, its traces (`labkit.training.loop.train_jobs`). `headline` is the capstone solved
 by measurement alone, as a script (on a simulated machine too: `--cluster sim:dgx-h100`)."""
@@ -21,6 +22,7 @@ from labkit.errors import RankError
 from labkit.experiments.params import LabParams, param, simulable_cluster
 from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.experiments.unprofiled_run import MYSTERY_KINDS, kinds_that_show
+from labkit.machine import Machine
 from labkit.memory import estimate
 from labkit.models import GPTConfig
 from labkit.trace.diagnose import findings
@@ -62,21 +64,31 @@ GPU_MODEL = dataclasses.replace(MODEL, seq_len=256)
 SEGMENT_SLACK_MIB = 10  # half a large segment (kLargeBuffer, 20 MiB) that a step's blocks may leave free
 
 
-def dealt(on_gpu: bool, simulated: bool = False, world_size: int = 2) -> tuple[str, ...]:
-    """The mistakes a capstone is dealt from on this cluster: those of lab 05 whose cost shows there
-    (`unprofiled_run.kinds_that_show`: on GPUs not the logged accuracy), and the OOM.
+def dealt(
+    machine: Machine | None = None, *, on_gpu: bool = False, simulated: bool = False, world_size: int = 2
+) -> tuple[str, ...]:
+    """The mistakes a capstone is dealt from on `machine`: those of lab 05 whose cost shows there
+    (`unprofiled_run.kinds_that_show`: on GPUs not the logged accuracy), and the OOM. Without `machine`, a
+    machine on paper, as for `kinds_that_show`: `on_gpu`, a GPU node; `simulated`, a simulated one of
+    `world_size` ranks.
 
-    On GPUs not the per-tensor all-reduce either. The capstone's step is launch-bound there and three times
-    lab 05's (two micro-batches, AdamW, a shared evaluation), and on its two ranks of a DGX H100 the 29
-    all-reduces, each about one host dispatch, add 0.39 ms to a 3.84 ms step: after/before 0.91 by
+    Where the lesson is judged by the course's targets (`Machine.judged_by_verdict`: on GPUs) not the
+    per-tensor all-reduce either. The capstone's step is launch-bound there and three times lab 05's (two
+    micro-batches, AdamW, a shared evaluation), and on its two ranks of a DGX H100 the 29 all-reduces, each
+    about one host dispatch, add 0.39 ms to a 3.84 ms step: after/before 0.91 by
     `labkit.forecast.job_forecast`, short of the course's 0.8 (tests/test_forecast.py, which also shows every
     deal left showing). Lab 05, whose step is shorter, still draws it on GPUs.
 
-    On a simulated machine (`world_size` ranks of it) neither, as on GPUs, nor the tokenizer in the loop (host
-    Python, which a simulated GPU does not time): every seed deals the OOM and the straggler there. On two
-    simulated H100s the straggler's fix takes the step from 8.78 to 7.04 ms (x0.80), on four x0.70."""
-    shows = set(kinds_that_show(on_gpu, simulated, world_size=world_size))
-    left_out = {"per_tensor_allreduce"} if on_gpu or simulated else set()
+    On a simulated machine neither, as on GPUs, nor the tokenizer in the loop (host Python, which a simulated
+    GPU does not time): every seed deals the OOM and the straggler there. On two simulated H100s the
+    straggler's fix takes the step from 8.78 to 7.04 ms (x0.80), on four x0.70."""
+    if machine is not None:
+        shows = set(kinds_that_show(machine))
+        by_forecast = machine.judged_by_verdict
+    else:
+        shows = set(kinds_that_show(on_gpu=on_gpu, simulated=simulated, world_size=world_size))
+        by_forecast = on_gpu or simulated
+    left_out = {"per_tensor_allreduce"} if by_forecast else set()
     return tuple(k for k in DEALT if (k not in MYSTERY_KINDS or k in shows) and k not in left_out)
 
 
@@ -105,6 +117,7 @@ def clean_job(world_size: int) -> TrainingJob:
 
 def draw(
     seed: int,
+    machine: Machine | None = None,
     *,
     world_size: int = 2,
     model: GPTConfig | None = None,
@@ -112,22 +125,28 @@ def draw(
     on_gpu: bool = False,
     simulated: bool = False,
 ) -> Capstone:
-    """Deal the capstone of `seed`: two or three of `dealt(on_gpu, simulated, world_size)` planted in one
-    data-parallel job (both where it has only two: a simulated machine).
+    """Deal the capstone of `seed` for `machine` (its ranks): two or three of `dealt(machine)` planted in one
+    data-parallel job (both where it has only two: a simulated machine). Without `machine`, a machine on
+    paper of `world_size` ranks, as for `dealt`: `on_gpu`, a GPU node; `simulated`, a simulated one.
 
-    `model`: `MODEL`, or on GPUs and simulated ones `GPU_MODEL`. `memory_mib`: each rank's GPU memory; by
-    default 1.6x what the clean job's step needs by `labkit.memory.estimate` (Adam, fp32, micro-batch 4):
-    room for the clean job and for the logging mistake's gathered logits, not for twice the micro-batch
-    (measured on the default GPT, emulated: clean 15.8 MiB, gathered logits 19.8 MiB, micro-batch 8 25.9 MiB,
-    against 21.9 MiB); on GPUs `SEGMENT_SLACK_MIB` more, for the caching allocator's segments (a simulated GPU
-    counts tensor bytes)."""
+    `model`: `MODEL`, or `GPU_MODEL` where a memory cap limits the caching allocator's segments
+    (`Machine.caps_reserved`: GPUs, CI's fake ones too) or the lab takes its GPU sizes (`Machine.gpu_sized`:
+    a simulated machine). `memory_mib`: each rank's GPU memory; by default 1.6x what the clean job's step
+    needs by `labkit.memory.estimate` (Adam, fp32, micro-batch 4): room for the clean job and for the logging
+    mistake's gathered logits, not for twice the micro-batch (measured on the default GPT, emulated: clean
+    15.8 MiB, gathered logits 19.8 MiB, micro-batch 8 25.9 MiB, against 21.9 MiB); where the cap limits
+    segments `SEGMENT_SLACK_MIB` more (a simulated GPU counts tensor bytes)."""
+    if machine is not None:
+        world_size, segments, gpu_sequence = machine.ranks, machine.caps_reserved, machine.gpu_sized
+    else:
+        segments, gpu_sequence = on_gpu, simulated
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(
             f"world_size={world_size!r}: the capstone is a data-parallel job; use 2 or more ranks"
         )
-    model = model or (GPU_MODEL if on_gpu or simulated else MODEL)
+    pool = dealt(machine, on_gpu=on_gpu, simulated=simulated, world_size=world_size)  # the flags: on paper
+    model = model or (GPU_MODEL if segments or gpu_sequence else MODEL)
     rng = random.Random(seed)
-    pool = dealt(on_gpu, simulated, world_size)
     planted = tuple(sorted(rng.sample(pool, min(rng.choice((2, 3)), len(pool))), key=DEALT.index))
     clean = clean_job(world_size)
     job = clean
@@ -138,7 +157,7 @@ def draw(
         need = estimate(
             model=model, micro_batch=clean.micro_batch, optimizer="adam", precision="fp32", keep_grads=True
         ).peak
-        memory_mib = round(1.6 * need / _MIB + (SEGMENT_SLACK_MIB if on_gpu else 0), 1)
+        memory_mib = round(1.6 * need / _MIB + (SEGMENT_SLACK_MIB if segments else 0), 1)
     if isinstance(memory_mib, bool) or not isinstance(memory_mib, (int, float)) or not memory_mib > 0:
         raise ValueError(
             f"memory_mib={memory_mib!r} must be a number of MiB > 0; e.g. draw(seed, memory_mib=64)"
@@ -216,9 +235,15 @@ class Params(LabParams):
 
     LAB = "06_capstone"
     NOTEBOOK_SIMULATED = True  # its exercises are the memory formula and the knobs; the jobs run there
-    ONE_GPU = "a data-parallel job of two ranks"
+    RANKS_WHY = "a data-parallel job: every GPU of the node (one GPU: 2 emulated ranks)"
     TEST = {"cluster": "cpu"}
     SMOKE = {"steps": 1, "trace_steps": 2}
+
+    @classmethod
+    def ranks_on(cls, gpus: int) -> int | None:
+        # any count of 2 or more: the job takes 8 sequences per rank (clean_job), so every rank's share and
+        # its memory are the same on 8 ranks as on the 2 its GPU memory was replayed on
+        return gpus if gpus >= 2 else None
 
 
 def headline(w: Where, p: Params) -> LabRecords:

@@ -46,9 +46,17 @@ class Params(LabParams):
 
     LAB = "00_cluster_tour"
     NOTEBOOK_SIMULATED = True  # its sweep runs there; the all-reduce exercise on the emulated cluster
-    ONE_GPU = "its lesson is the link between GPUs"
+    RANKS_WHY = (
+        "its lesson is the link between GPUs: all of the node's, as nccl-tests runs (one GPU has no link: 2 "
+        "emulated ranks)"
+    )
     TEST = {"cluster": "cpu", "sizes_kib": [4, 256, 2048], "iters": 20}
     SMOKE = {"sizes_kib": [4, 64], "iters": 3}
+
+    @classmethod
+    def ranks_on(cls, gpus: int) -> int | None:
+        # any count of 2 or more: a ring all-reduce and its bus bandwidth are defined for every world size
+        return gpus if gpus >= 2 else None
 
     def resolve(self, *, on_gpu: bool = False) -> Params:
         if self.sizes_kib is not None:

@@ -26,6 +26,7 @@ from labkit.experiments.params import SIMULATED_CLUSTERS, LabParams, ParamError,
 from labkit.experiments.script import LabRecords, Meaning, Where, emulated_cluster, main
 from labkit.layout import Layout
 from labkit.links import Link, Topology, bus_bandwidth_factor
+from labkit.machine import Machine
 from labkit.memory import estimate
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.groups import RankGroups, make_groups
@@ -330,16 +331,22 @@ class Params(LabParams):
 
     cluster: str = param(
         "cpu",
-        "the emulated cluster (cpu): this lab needs two nodes; auto or gpu under torchrun; sim:dgx-h100 (or "
-        "another preset): `nodes` simulated nodes sharing the ranks",
+        "cpu: `nodes` emulated nodes (the lesson's slow link between them); auto or gpu: this node's GPUs "
+        "when it has world_size of them (one node), else cpu; sim:dgx-h100 (or another preset): `nodes` "
+        "simulated nodes sharing the ranks",
         choices=("auto", "cpu", "gpu", *SIMULATED_CLUSTERS),
     )
     world_size: int = param(8, "GPUs in all (emulated: nodes x world_size / nodes)", minimum=1)
-    nodes: int = param(2, "nodes sharing the ranks, emulated or simulated (torchrun: its own)", minimum=1)
+    nodes: int = param(
+        2,
+        "nodes sharing the ranks on the emulated cluster and on sim:... (on a GPU node: 1; under torchrun: "
+        "its own)",
+        minimum=1,
+    )
     memory_mib: float | None = param(
         None,
-        "memory of each emulated GPU, MiB (None: one in which plain data parallelism does not fit and a "
-        "sharded layout does, by the planner's estimate)",
+        "memory of each GPU, MiB: the emulated budget, a cap on a real one (None: one in which plain data "
+        "parallelism does not fit and a sharded layout does, by the planner's estimate)",
         minimum=0,
         strict=True,
         example=28,
@@ -360,7 +367,11 @@ class Params(LabParams):
 
     LAB = "01_parallelism_choice"
     NOTEBOOK_SIMULATED = True  # its gradients are checked on the emulated cluster, the layouts run there
-    ONE_GPU = "it needs two nodes; torchrun across nodes runs it on GPUs"
+    RANKS_WHY = (
+        "its mistake is tensor parallelism across the link between two nodes, which one machine lacks: 2 x 4 "
+        "emulated by default; -p cluster auto runs its ranks on one node's GPUs (tp inside the node), "
+        "torchrun across nodes its script"
+    )
     TEST = {"cluster": "cpu", "steps": 1}
     SMOKE = {
         "n_layers": 2,
@@ -371,6 +382,15 @@ class Params(LabParams):
         "micro_batches": [2, 4],
         "steps": 1,
     }
+
+    @classmethod
+    def ranks_on(cls, gpus: int) -> int | None:
+        # None on any machine: its default cluster is the emulated one whatever the GPUs (for_machine leaves
+        # it alone), because the mistake is tensor parallelism across the link between two nodes, which one
+        # machine does not have. Its 8 ranks (2 nodes x 4) are the lesson's; with cluster auto or gpu on a
+        # node of world_size GPUs the notebook runs them there (Params.machine), where tp stays inside the
+        # node; the script under torchrun takes torchrun's nodes
+        return None
 
     def resolve(self, *, on_gpu: bool = False) -> Params:
         w = self.world_size
@@ -415,6 +435,50 @@ class Params(LabParams):
         machine = replace(preset.simulated(), gpus_per_node=per_node)
         return replace(machine, memory_gib=self.memory_mib / 1024) if capped else machine
 
+    def inside_one_node(self) -> Cluster | None:
+        """Every rank on one node of a simulated preset that holds them all, uncapped, to time the mistake
+        without the link between nodes (a GPU can be launch-bound: waiting for the host, not the link);
+        None elsewhere (one GPU node has no link between nodes; the emulated cluster's link always shows)."""
+        if not self.cluster.startswith("sim:"):
+            return None
+        if self.world_size > Cluster.preset(self.cluster.removeprefix("sim:")).gpus_per_node:
+            return None
+        return replace(self, nodes=1).simulated_machine(capped=False)
+
+    def machine(self) -> Machine:
+        """Where the notebook runs, its reason saying why (`Machine.describe` prints it), without a memory
+        cap (`Machine.limited(memory_mib)` adds it): `nodes` simulated nodes sharing the ranks for
+        cluster="sim:<preset>" (`simulated_machine`); for "auto" or "gpu", this node's GPUs where it has
+        world_size of them, every rank on this one node; else `nodes` emulated nodes sharing the ranks, the
+        link between them the lesson's slow one."""
+        if self.cluster.startswith("sim:"):
+            simulated = self.simulated_machine(capped=False)
+            why = (
+                f"{self.cluster}: {self.nodes} simulated node(s) x {simulated.gpus_per_node} GPUs sharing "
+                f"the {self.world_size} ranks, as on the emulated cluster"
+            )
+            return Machine(replace(simulated, reason=why), self.world_size)
+        why = f"cluster={self.cluster!r}"
+        if self.cluster in ("auto", "gpu"):
+            here = Machine.resolve(self.cluster, self.world_size)
+            if here.kind == "gpu":
+                why = (
+                    f"{here.cluster.gpu_count} GPU(s) on this node, {self.world_size} asked: every rank on "
+                    "this one node (NCCL), so tensor parallelism over all of them stays on its links; the "
+                    "mistake across two nodes runs under torchrun --nnodes 2"
+                )
+                # the ranks' node, as the planner plans for it: world_size of its GPUs
+                node = replace(here.cluster, gpus_per_node=self.world_size, reason=why)
+                return Machine(node, self.world_size)
+            why = here.cluster.reason.split(" (")[0].removesuffix(": emulated cluster")  # "no GPU found"
+        self.for_nodes(self.nodes)
+        emulated = Cluster.emulated(nodes=self.nodes, gpus_per_node=self.world_size // self.nodes)
+        slower = emulated.intra_node.bandwidth_gb_s / emulated.inter_node.bandwidth_gb_s
+        why = (
+            f"{why}: {self.nodes} emulated node(s) x {emulated.gpus_per_node} GPUs, the link between nodes "
+            f"{slower:.0f}x slower than inside one (the lesson's)"
+        )
+        return Machine(replace(emulated, reason=why), self.world_size)
 
 
 def _lesson_memory_mib(p: Params) -> float:

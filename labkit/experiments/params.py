@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
 from labkit.cluster import PRESETS, Cluster
+from labkit.machine import Machine
 from labkit.models import GPTConfig
 from labkit.validate import ParamError
 
@@ -155,11 +156,9 @@ class LabParams:
     # On GPUs, the values that make the lesson show there (chosen on paper with `labkit.forecast`), for the
     # fields left at their emulated-cluster default; `gpu_sized` applies them
     GPU_SIZES: ClassVar[Mapping[str, Any]] = {}
-    # On a machine with exactly one GPU, where the usual ranks would run on the emulated cluster and leave the
-    # GPU idle: the ranks the lab takes there (None: it keeps its ranks there, emulated), and one line on
-    # what runs where and why (`labkit doctor` prints it)
-    ONE_GPU_RANKS: ClassVar[int | None] = None
-    ONE_GPU: ClassVar[str] = ""
+    # One line on the ranks the lab takes on a machine with GPUs (its `ranks_on` rule) and why, its lesson's
+    # reason: `labkit doctor` prints it for this machine, and `labkit doctor --as <preset>` for one described
+    RANKS_WHY: ClassVar[str] = ""
     # Whether the lab's notebook runs on a simulated machine (its script does wherever `cluster` offers one):
     # a notebook whose exercises compare values with a single process needs numerics, which it does not have
     NOTEBOOK_SIMULATED: ClassVar[bool] = False
@@ -309,15 +308,26 @@ class LabParams:
             return self
         return dataclasses.replace(self, **{self.RANKS: ranks})
 
+    @classmethod
+    def ranks_on(cls, gpus: int) -> int | None:
+        """The ranks this lab takes by default on a machine with `gpus` GPUs (1 or more), as its lesson asks
+        (`RANKS_WHY` says why); None: it keeps its default ranks, which run on the emulated cluster where the
+        GPUs are fewer. Each lab declares its own rule; here: none."""
+        return None
+
     def for_machine(self: P, gpus: int | None = None) -> P:
-        """On a machine with exactly one GPU (`gpus`, default: counted here), `ONE_GPU_RANKS` ranks where the
-        lab has them, its ranks are still at their default and its cluster may be a GPU; else `self`."""
-        if self.ONE_GPU_RANKS is None or not self.RANKS or self.cluster not in ("auto", "gpu"):
+        """On a machine with `gpus` GPUs (default: counted here), the lab's `ranks_on(gpus)` ranks where it
+        has a rule for them, its ranks are still at their default and its cluster may be a GPU; else `self`.
+        With no GPU every lab keeps its default (the emulated cluster's ranks)."""
+        if not self.RANKS or self.cluster not in ("auto", "gpu"):
             return self
-        if (Cluster.detect().gpu_count if gpus is None else gpus) != 1:
+        count = Cluster.detect().gpu_count if gpus is None else gpus
+        ranks = self.ranks_on(count) if count >= 1 else None
+        if ranks is None:
             return self
         (field,) = [f for f in dataclasses.fields(self) if f.name == self.RANKS]
-        return self.with_ranks(self.ONE_GPU_RANKS) if self.ranks == field.default else self
+        # a value equal to the default reads as unset, as for the GPU sizes (`gpu_sized`)
+        return self.with_ranks(ranks) if self.ranks == field.default else self
 
     def resolve(self: P, *, on_gpu: bool = False) -> P:
         """Fill in the defaults that depend on the ranks (and on whether they are GPUs); check what needs
@@ -340,6 +350,10 @@ class LabParams:
         defaults = {f.name: default(f) for f in dataclasses.fields(self)}
         sized = {k: v for k, v in sizes.items() if getattr(self, k) == defaults[k]}
         return dataclasses.replace(self, **sized)
+
+    def machine(self) -> Machine:
+        """Where this lab runs: its `cluster` resolved once for its ranks (`labkit.machine.Machine`)."""
+        return Machine.resolve(self.cluster, max(1, self.ranks or 1))
 
     def config(self) -> GPTConfig:
         """The lab's GPT (labs that train one): the GPTConfig fields among its parameters, then GPT_FIXED."""

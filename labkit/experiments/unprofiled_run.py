@@ -4,8 +4,8 @@ The job is the course's one training job (`labkit.training`): `clean_job` is the
 nothing planted, `mystery_job` plants one mistake of `labkit.training.MISTAKES` by the knob the table names,
 and `fixed_job` applies the fix a trace's diagnosis names (which removes the planted mistake only when the
 diagnosis named that one). Every rank measures and traces them with `labkit.training.loop.train_jobs`.
-`mystery_seed` draws the planted mistake from `kinds_that_show(on_gpu)`, which leaves the host sync out on
-every cluster and the logged accuracy out on GPUs: see there.
+`mystery_seed` draws the planted mistake from `kinds_that_show(machine)`, which leaves the host sync out on
+every machine and the logged accuracy out on GPUs: `kinds_left_out` says why, for the notebook to print.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from labkit.experiments.params import LabParams, gpt_param, param, simulable_cluster
 from labkit.experiments.script import LabRecords, Meaning, Where, main
+from labkit.machine import Machine
 from labkit.trace.diagnose import diagnose
 from labkit.training.job import TrainingJob
 from labkit.training.loop import JobResult, train_jobs
@@ -31,6 +32,7 @@ __all__ = [
     "clean_job",
     "fixed_job",
     "headline",
+    "kinds_left_out",
     "kinds_that_show",
     "mystery_job",
     "run_name",
@@ -65,45 +67,97 @@ class Params(LabParams):
     GPT_FIXED = {"n_heads": 4}
     LAB = "05_unprofiled_run"
     NOTEBOOK_SIMULATED = True  # its exercise reads made-up breakdowns; the jobs and their traces run there
-    ONE_GPU = "a straggler and the all-reduces need two ranks"
+    RANKS_WHY = (
+        "a straggler and the all-reduces need two ranks or more: every GPU of the node (one GPU: 2 emulated "
+        "ranks)"
+    )
     TEST = {
         "cluster": "cpu"
     }  # 3 timed steps: the median of 2 was one slow step of the host away from failing
     SMOKE = {"steps": 1, "trace_steps": 2}
+
+    @classmethod
+    def ranks_on(cls, gpus: int) -> int | None:
+        # any count of 2 or more: each rank takes micro_batch sequences (the global batch is their sum), and
+        # its forecast shows the mistakes it draws on GPUs on 2 ranks and on 8 (tests/test_forecast.py)
+        return gpus if gpus >= 2 else None
 
     def check(self) -> None:
         self.check_multiple("d_model", 4, "the lab's GPT has 4 attention heads")
 
 
 
-def kinds_that_show(on_gpu: bool, simulated: bool = False, *, world_size: int | None = None) -> list[str]:
-    """The mistakes whose cost shows in this lab's measurement on this cluster.
+def kinds_left_out(
+    machine: Machine | None = None,
+    *,
+    on_gpu: bool = False,
+    simulated: bool = False,
+    world_size: int | None = None,
+) -> dict[str, str]:
+    """The mistakes of `MYSTERY_KINDS` whose cost does not show in this lab's measurement on `machine`, each
+    with why, in a sentence a notebook prints; `kinds_that_show` is the rest.
 
     Never the host sync: on the emulated cluster compute is synchronous, so it costs nothing; on a GPU it
     costs what it stops from overlapping the device (host work after it that would otherwise run while the
     GPU computes), and in this job the `.item()` is the step's last device wait (`Trainer.update`) while
     `train_jobs` times every step alone, from a barrier to a synchronize, so nothing follows it.
 
-    On GPUs not the logged accuracy either: at this lab's sizes the step is launch-bound (about 1.2 ms of
-    host dispatch on a DGX H100) and all-gathering 4 MiB of logits over NVLink takes some 15 us, so the fix
-    moves nothing (`labkit.forecast.job_forecast`: after/before 1.01 on 2 ranks, 0.95 on 8; the other three
-    0.40-0.77, tests/test_forecast.py). Over the emulated link the same all-gather is most of the step.
+    Where the lesson is judged by the course's targets (`Machine.judged_by_verdict`: GPUs, real, CI's fake
+    ones or simulated), the mistakes the course's forecast shows there, so not the logged accuracy: at this
+    lab's sizes a GPU's step is launch-bound (about 1.2 ms of host dispatch on a DGX H100) and all-gathering
+    4 MiB of logits over NVLink takes some 15 us, so the fix moves nothing (`labkit.forecast.job_forecast`:
+    after/before 1.01 on 2 ranks, 0.95 on 8; the other three 0.40-0.77, tests/test_forecast.py). Over the
+    emulated link the same all-gather is most of the step.
 
-    On a simulated machine (`world_size` ranks of it) not the data loading either, whose tokenizer is host
-    Python that a simulated machine does not time; and the per-tensor all-reduces only from
-    `SIMULATED_PER_TENSOR_RANKS` ranks. The fix's buckets run in labkit's Python `OverlappedDDP` there (torch
-    DDP's C++ reducer refuses tensors without storage), whose copies into and out of each bucket cost two
-    host dispatches per gradient, which torch DDP's views into its buckets do not; on fewer ranks the 29
-    small all-reduces cost less than that (tests/experiments/test_unprofiled_run.py measures it)."""
-    left_out = ["host_sync", "sync_logging"] if on_gpu or simulated else ["host_sync"]
-    if simulated:
-        if world_size is None:
-            raise ValueError(
-                "kinds_that_show(simulated=True) needs world_size: what shows there depends on it"
-            )
-        left_out.append("data_loading")
-        if world_size < SIMULATED_PER_TENSOR_RANKS:
-            left_out.append("per_tensor_allreduce")
+    Where a rank's time does not count host Python (`Machine.times_host_python`: a simulated machine), not the
+    data loading, whose tokenizer is host Python. Where torch DDP cannot run (`Machine.torch_ddp`: a simulated
+    machine), the per-tensor all-reduces only from `SIMULATED_PER_TENSOR_RANKS` ranks: the fix's buckets run
+    in labkit's Python `OverlappedDDP` there (torch DDP's C++ reducer refuses tensors without storage), whose
+    copies into and out of each bucket cost two host dispatches per gradient, which torch DDP's views into its
+    buckets do not; on fewer ranks the 29 small all-reduces cost less than that
+    (tests/experiments/test_unprofiled_run.py measures it).
+
+    `machine`: where the lab runs, which answers all of that. Without it, a machine on paper (the forecasts'
+    tests, a script's `Where`): `on_gpu`, a GPU node; `simulated`, a simulated one of `world_size` ranks."""
+    if machine is not None:
+        by_forecast, host_python = machine.judged_by_verdict, machine.times_host_python
+        torch_ddp, ranks = machine.torch_ddp, machine.ranks
+    else:
+        by_forecast, host_python = on_gpu or simulated, not simulated
+        torch_ddp, ranks = not simulated, world_size
+    if not torch_ddp and ranks is None:
+        raise ValueError("kinds_left_out(simulated=True) needs world_size: what shows there depends on it")
+    out = {
+        "host_sync": "on the emulated cluster compute is synchronous, and in this job's timed steps the "
+        ".item() is the last wait before the step's own synchronize, so on a GPU too nothing follows it that "
+        "it could stop from overlapping (section 7)"
+    }
+    if by_forecast:
+        out["sync_logging"] = (
+            "on GPUs at these sizes the step is launch-bound and all-gathering the logits over NVLink takes "
+            "microseconds (labkit.forecast.job_forecast: the fix would move nothing)"
+        )
+    if not host_python:
+        out["data_loading"] = "its tokenizer is host Python, which this machine's clock does not time"
+    if not torch_ddp and ranks < SIMULATED_PER_TENSOR_RANKS:
+        out["per_tensor_allreduce"] = (
+            f"on fewer than {SIMULATED_PER_TENSOR_RANKS} ranks here the fix's buckets run in labkit's Python "
+            "OverlappedDDP (torch DDP needs storage), whose bucket copies cost more host dispatches than the "
+            f"small all-reduces of a few ranks save (world_size = {SIMULATED_PER_TENSOR_RANKS} shows it)"
+        )
+    return out
+
+
+def kinds_that_show(
+    machine: Machine | None = None,
+    *,
+    on_gpu: bool = False,
+    simulated: bool = False,
+    world_size: int | None = None,
+) -> list[str]:
+    """The mistakes whose cost shows in this lab's measurement on `machine` (or on paper: see
+    `kinds_left_out`, which says why each other one does not), in `MYSTERY_KINDS`' order."""
+    left_out = kinds_left_out(machine, on_gpu=on_gpu, simulated=simulated, world_size=world_size)
     return [k for k in MYSTERY_KINDS if k not in left_out]
 
 
@@ -153,7 +207,7 @@ def headline(w: Where, p: Params) -> LabRecords:
     """Lab 05's records: the job with a mistake planted by `mystery_seed`, the same job with the fix the
     trace's diagnosis (`labkit.trace.diagnose`) names, and the clean job, in one launch."""
     config = p.config()
-    shows = kinds_that_show(w.on_gpu, w.simulated, world_size=w.world_size)
+    shows = kinds_that_show(on_gpu=w.on_gpu, simulated=w.simulated, world_size=w.world_size)
     planted = random.Random(p.mystery_seed).choice(shows)
     folder = Path(p.trace_dir).resolve()
     if w.rank() == 0:

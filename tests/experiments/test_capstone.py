@@ -12,6 +12,7 @@ import torch
 
 from labkit import Cluster, RankError, launch
 from labkit.experiments.capstone import DEALT, GPU_MODEL, dealt, draw, train
+from labkit.machine import Machine
 from labkit.training import MISTAKES, TrainingJob
 from labkit.training.job import job_name
 from labkit.training.mistakes import planted_by_knobs
@@ -25,6 +26,7 @@ def test_the_seed_deals_every_combination_and_hides_the_answer():
     assert set(dealt) == combos  # all 20: every sitting can get a different job
     cap = draw(5)
     assert draw(5) == cap and "planted" not in repr(cap) and "clean=" not in repr(cap)
+    assert draw(5, Machine.resolve("cpu", 2)) == cap  # the emulated cluster deals as on paper
     for seed in range(40):
         cap = draw(seed)
         changed = {k for k, v in dataclasses.asdict(cap.job).items() if getattr(cap.clean, k) != v}
@@ -44,7 +46,9 @@ def test_on_a_simulated_node_every_seed_deals_the_two_mistakes_the_simulation_ti
     # a tokenizer in the loop is host Python, which a simulated GPU does not time, and the logged accuracy and
     # the per-tensor all-reduces are left out as on GPUs: what is left is the OOM and the straggler, both
     assert {draw(seed, simulated=True).planted for seed in range(40)} == {("oom_batch", "straggler")}
-    assert dealt(False, simulated=True, world_size=8) == ("oom_batch", "straggler")
+    assert dealt(simulated=True, world_size=8) == ("oom_batch", "straggler")
+    sim = Machine.resolve("sim:dgx-h100", 8)
+    assert dealt(sim) == ("oom_batch", "straggler") and draw(0, sim) == draw(0, world_size=8, simulated=True)
     cap = draw(0, simulated=True)
     # the GPU sizes, and the memory of tensor bytes (no caching allocator's segments to leave slack for)
     assert cap.model == GPU_MODEL and cap.memory_mib == draw(0, model=GPU_MODEL).memory_mib

@@ -42,7 +42,8 @@ def _peaks(on_gpu: bool):
 
 def test_on_a_card_the_capstones_gpu_sizes_fit_the_clean_job_and_not_the_planted_oom():
     cap, [(_, clean), (oom_allocated, _)] = _peaks(on_gpu=True)
-    assert cap.model == GPU_MODEL and "sync_logging" not in dealt(True) and "sync_logging" not in cap.planted
+    assert cap.model == GPU_MODEL and "sync_logging" not in dealt(on_gpu=True)
+    assert "sync_logging" not in cap.planted
     assert clean <= 0.85 * cap.memory_mib  # reserved, what the cap limits, with room to spare
     assert oom_allocated > 1.1 * cap.memory_mib  # out of memory whatever the allocator rounds
 

@@ -4,10 +4,13 @@ links its groups cross; the step's speed is measured on the rank's timer (`measu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from labkit import Cluster, launch
+from labkit.cluster import GPU
 from labkit.experiments import parallelism_choice
 from labkit.experiments.parallelism_choice import layout_steps, measure_rates, summarize_layout
 from labkit.layout import Layout
@@ -82,3 +85,43 @@ def test_the_default_memory_leaves_plain_data_parallelism_out_and_a_sharded_layo
     )
     assert not the_plan.candidate(ranks, 1, 1).ok, the_plan.table()
     assert any(c.ok for c in the_plan.candidates if c.layout.dp < ranks), the_plan.table()
+
+
+def _node_of(gpus: int) -> Cluster:
+    """What Cluster.detect gives on a node of `gpus` H100s."""
+    cards = tuple(GPU(i, "NVIDIA H100 80GB HBM3", 80.0) for i in range(gpus))
+    return replace(Cluster.preset("dgx-h100"), kind="gpu", gpus_per_node=gpus, gpus=cards)
+
+
+@pytest.mark.parametrize("gpus", [0, 4, 8])
+def test_the_notebook_runs_on_a_node_with_a_gpu_per_rank_else_on_two_emulated_nodes(monkeypatch, gpus):
+    """Lab 01's machine: cluster="auto" takes this node's GPUs when it has world_size of them (every rank on
+    one node), else `nodes` emulated nodes; "cpu" always the emulated ones; each says why."""
+    monkeypatch.setattr(Cluster, "detect", classmethod(lambda cls: _node_of(gpus)))
+    m = parallelism_choice.Params(cluster="auto").machine()
+    if gpus == 8:
+        assert (m.kind, m.nodes, m.ranks) == ("gpu", 1, 8)
+        assert m.cluster.reason.startswith("8 GPU(s) on this node, 8 asked: every rank on this one node")
+        # fewer ranks than GPUs: the planner plans for the ranks' GPUs, not the node's
+        fewer = parallelism_choice.Params(cluster="auto", world_size=4).machine()
+        assert (fewer.kind, fewer.cluster.world_size, fewer.cluster.gpu_count) == ("gpu", 4, 8)
+    else:
+        assert (m.kind, m.nodes, m.cluster.gpus_per_node, m.ranks) == ("emulated", 2, 4, 8)
+        why = "no GPU found" if gpus == 0 else "4 GPU(s) found, 8 ranks asked"
+        assert m.cluster.reason == (
+            f"{why}: 2 emulated node(s) x 4 GPUs, the link between nodes 10x slower than inside one "
+            "(the lesson's)"
+        )
+    cpu = parallelism_choice.Params(cluster="cpu").machine()
+    assert (cpu.kind, cpu.nodes) == ("emulated", 2) and cpu.cluster.reason.startswith("cluster='cpu': 2 emul")
+    assert parallelism_choice.Params(cluster="cpu").inside_one_node() is None
+
+
+def test_on_simulated_nodes_the_ranks_are_shared_as_emulated_and_one_node_holds_them_too():
+    p = parallelism_choice.Params(cluster="sim:dgx-h100").resolve(on_gpu=True)
+    m = p.machine()
+    assert (m.kind, m.nodes, m.cluster.gpus_per_node, m.cluster.memory_gib) == ("simulated", 2, 4, 80)
+    assert m.cluster.reason.startswith("sim:dgx-h100: 2 simulated node(s) x 4 GPUs sharing the 8 ranks")
+    inside = p.inside_one_node()
+    assert inside is not None and (inside.nodes, inside.gpus_per_node) == (1, 8)
+    assert replace(p, world_size=16).inside_one_node() is None  # two full nodes: no one node holds them

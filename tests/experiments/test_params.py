@@ -185,16 +185,93 @@ def test_each_labs_test_and_smoke_runs_are_its_own_parameters(lab):
     assert smoke.ranks == 2
 
 
-def test_on_a_machine_with_one_gpu_lab_02_takes_one_rank_on_it_and_the_others_keep_theirs():
+# Each lab's default ranks on a machine with N GPUs (0: none, the emulated cluster's defaults): the labs whose
+# lesson is about several ranks take every GPU from two; lab 01 keeps its 8 emulated ranks (2 nodes x 4); lab
+# 02 one rank on one GPU, else its 2; lab 04 the stages its forecast shows the lesson on (8, else 4)
+MACHINE_RANKS = {
+    "00_cluster_tour": {0: 2, 1: 2, 2: 2, 3: 3, 4: 4, 8: 8},
+    "01_parallelism_choice": {0: 8, 1: 8, 2: 8, 3: 8, 4: 8, 8: 8},
+    "02_oom_batch": {0: 2, 1: 1, 2: 2, 3: 2, 4: 2, 8: 2},
+    "03_unoverlapped_comms": {0: 2, 1: 2, 2: 2, 3: 3, 4: 4, 8: 8},
+    "04_imbalanced_pipeline": {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 8: 8},
+    "05_unprofiled_run": {0: 2, 1: 2, 2: 2, 3: 3, 4: 4, 8: 8},
+    "06_capstone": {0: 2, 1: 2, 2: 2, 3: 3, 4: 4, 8: 8},
+}
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 3, 4, 8])
+@pytest.mark.parametrize("lab", list(registry.LABS))
+def test_each_labs_default_ranks_follow_its_rule_on_a_machine_with_n_gpus(lab, gpus):
+    params = registry.params_of(lab)
+    assert set(MACHINE_RANKS) == set(registry.LABS) and params.RANKS_WHY  # doctor prints the why
+    p = params().for_machine(gpus)
+    assert p.ranks == MACHINE_RANKS[lab][gpus]
+    # the defaults that depend on the ranks still hold there, on GPUs where it runs on them (its GPU sizes)
+    on_gpu = p.cluster in ("auto", "gpu") and 1 <= p.ranks <= gpus
+    resolved = p.resolve(on_gpu=on_gpu)
+    if hasattr(resolved, "for_nodes"):  # lab 01: its 8 ranks shared by its 2 emulated nodes
+        resolved.for_nodes(resolved.nodes)
+    if lab == "02_oom_batch":
+        assert resolved.global_batch == (64 if on_gpu else 32) * p.ranks
+    if lab == "04_imbalanced_pipeline":
+        assert resolved.few_micro_batches == p.ranks and resolved.global_batch % p.ranks == 0
+        assert resolved.n_layers >= p.ranks
+
+
+def test_on_a_preset_of_two_nodes_a_lab_takes_the_ranks_of_one_node():
+    # labkit run starts a notebook's ranks on one machine: a node of the preset (torchrun spans the nodes)
+    from labkit.cluster import Cluster
+
+    two = Cluster.preset("dgx-h100", nodes=2)
+    assert (two.nodes, two.gpus_per_node) == (2, 8)
+    for lab in registry.LABS:
+        assert registry.params_of(lab)().for_machine(two.gpus_per_node).ranks == MACHINE_RANKS[lab][8]
+
+
+def test_the_rule_changes_only_ranks_left_at_their_default_on_a_cluster_that_may_be_a_gpu(monkeypatch):
+    from labkit.cluster import GPU, Cluster
+    from labkit.experiments.imbalanced_pipeline import Params as Lab04
     from labkit.experiments.oom_batch import Params as Lab02
     from labkit.experiments.unoverlapped_comms import Params as Lab03
+    from labkit.links import Link
 
-    assert Lab02().for_machine(1).world_size == 1
-    assert Lab02().for_machine(0).world_size == 2 and Lab02().for_machine(8).world_size == 2
     # a value the user set is kept (one equal to the default reads as unset, as GPU sizes do)
     assert Lab02(world_size=3).for_machine(1).world_size == 3
-    assert Lab02(cluster="cpu").for_machine(1).world_size == 2  # the emulated cluster asked for
-    assert Lab03().for_machine(1).world_size == 2  # it needs two ranks
+    assert Lab03(world_size=4).for_machine(8).world_size == 4
+    assert Lab04(stages=2).for_machine(8).stages == 2
+    assert Lab03(world_size=2).for_machine(8).world_size == 8  # the default's value: read as unset
+    # the emulated cluster (or a simulated machine) asked for: its ranks stay
+    assert Lab02(cluster="cpu").for_machine(1).world_size == 2
+    assert Lab03(cluster="cpu").for_machine(8).world_size == 2
+    assert Lab03(cluster="sim:dgx-h100").for_machine(8).world_size == 2
+    assert Lab03(cluster="gpu").for_machine(8).world_size == 8
+    # by default it counts this machine's GPUs
+    link = Link(450.0, 5.0, "NVLink")
+    eight = Cluster("gpu", 1, 8, link, link, gpus=tuple(GPU(i, "NVIDIA H100", 80.0) for i in range(8)))
+    monkeypatch.setattr(Cluster, "detect", classmethod(lambda cls: eight))
+    assert Lab03().for_machine().world_size == 8 and Lab04().for_machine().stages == 8
+
+
+def test_lab_04s_rule_is_the_stage_counts_its_forecast_shows_the_lesson_on():
+    # on a DGX H100 at its GPU sizes: 4 and 8 stages show the imbalance and its fix, 8 the most; 2 too
+    # little, 16 not at all; so 8 from 8 GPUs, 4 from 4, and 4 emulated stages below
+    from labkit.cluster import Cluster
+    from labkit.experiments.imbalanced_pipeline import Params as Lab04
+    from labkit.forecast import fp32_flops_per_s, pipeline_forecast
+
+    dgx = Cluster.preset("dgx-h100")
+
+    def forecast(stages: int):
+        p = Lab04(stages=stages).resolve(on_gpu=True)
+        rate = fp32_flops_per_s(dgx.gpu_name)
+        config, batch, few = p.config(), p.global_batch, p.few_micro_batches
+        return pipeline_forecast(config, stages, batch, few, dgx.intra_node, rate)
+
+    four, eight = forecast(4), forecast(8)
+    assert four.shows() and eight.shows(), (str(four), str(eight))
+    assert eight.after / eight.before < four.after / four.before
+    assert not forecast(2).shows() and not forecast(16).shows()
+    assert [Lab04.ranks_on(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [None, None, None, 4, 4, 8, 8]
 
 
 def _wrong_type(kind) -> object:

@@ -17,11 +17,13 @@ from labkit.experiments.unprofiled_run import (
     Params,
     clean_job,
     fixed_job,
+    kinds_left_out,
     kinds_that_show,
     mystery_job,
     run_name,
     step_ms,
 )
+from labkit.machine import Machine
 from labkit.models import GPTConfig
 from labkit.trace import diagnose
 from labkit.training.loop import JobResult, train_jobs
@@ -118,6 +120,13 @@ def test_the_jobs_plant_one_mistake_each_and_the_diagnosis_fixes_only_its_own():
     # a host sync is the step's last wait in this job's timed steps: it cannot show on either cluster (and
     # tests/test_forecast.py ties the GPU list to lab 05's forecast)
     assert "host_sync" not in kinds_that_show(on_gpu=True) + kinds_that_show(on_gpu=False)
+    # the machine answers what shows there; each mistake left out says why, for the notebook to print
+    for machine in (Machine.resolve("cpu", 2), Machine.resolve("sim:dgx-h100", 2)):
+        left_out = kinds_left_out(machine)
+        assert sorted(kinds_that_show(machine) + list(left_out)) == sorted(MYSTERY_KINDS)
+        assert all(why for why in left_out.values())
+    assert list(kinds_left_out(Machine.resolve("cpu", 2))) == ["host_sync"]
+    assert kinds_that_show(Machine.resolve("cpu", 2)) == kinds_that_show(on_gpu=False)
     with pytest.raises(ValueError, match="kind='slow_disk' is not one of lab 05's mistakes"):
         mystery_job(clean, "slow_disk", 2)
     with pytest.raises(ValueError, match=r"straggler_rank=2 must be a rank of the job, 0\.\.1"):
@@ -137,9 +146,9 @@ def test_on_a_simulated_node_per_tensor_all_reduces_are_drawn_from_the_ranks_whe
                           steps=1, trace_steps=1, world_size=n, cluster="sim:dgx-h100", timeout_s=120)
         before, after = ([rank[i] for rank in per_rank] for i in range(2))
         ratio[n] = step_ms(after) / step_ms(before)
-        shows = "per_tensor_allreduce" in kinds_that_show(False, True, world_size=n)
+        shows = "per_tensor_allreduce" in kinds_that_show(Machine.resolve("sim:dgx-h100", n))
         assert shows == (ratio[n] <= 0.8), ratio
     assert ratio[SIMULATED_PER_TENSOR_RANKS] <= 0.8 < ratio[SIMULATED_PER_TENSOR_RANKS - 2], ratio
-    assert kinds_that_show(False, True, world_size=2) == ["straggler"]
+    assert kinds_that_show(simulated=True, world_size=2) == ["straggler"]
     with pytest.raises(ValueError, match="needs world_size"):
-        kinds_that_show(False, True)
+        kinds_that_show(simulated=True)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from labkit.experiments import registry
+from labkit.forecast import lesson_shows
 
 LAB = "01_parallelism_choice"
 
@@ -68,6 +69,24 @@ def test_the_notebook_on_two_simulated_nodes_checks_gradients_emulated_and_times
     assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.1
     tp_all = next(r for r in rec["sweep"] if r["layout"] == "dp1 x tp4 x pp1")
     assert tp_all["inter_MiB"] > 0 == tp_all["intra_MiB"]  # its all-reduces all cross the two nodes
+
+
+@pytest.mark.fake_cuda
+def test_on_fake_cuda_the_notebook_runs_on_the_node_and_its_pick_beats_the_mistake(run_on_fake_cuda):
+    """cluster="auto" on CI's fake CUDA machine, 2 GPUs for 2 ranks and 4 blocks (on paper the pick takes 0.75
+    of the mistake's step; at 16 sequences a step 0.9, too close): the notebook runs on that one node and says
+    so; plain data parallelism runs out of the capped card's memory; tensor parallelism over both GPUs stays on
+    the node's link; the planner's pick beats it within the course's targets (after/before <= 0.8,
+    after/limit <= 1.25), as the printed verdict says; its tensors fit memory_mib, with the caching allocator's
+    room for one large segment above them (section 5's own check)."""
+    rec, text = run_on_fake_cuda(LAB, gpus=2, world_size=2, n_layers=4)
+    assert rec["machine"] == "gpu" and rec["emulated"] is False and rec["where"] == "emulated, fake CUDA"
+    assert "chosen because: 2 GPU(s) on this node, 2 asked: every rank on this one node" in text
+    assert "measured: rank" in text and "CUDA out of memory" in text
+    tp_all = next(r for r in rec["sweep"] if r["layout"] == "dp1 x tp2 x pp1")
+    assert tp_all["inter_MiB"] == 0 < tp_all["intra_MiB"]
+    assert rec["pick"] != tp_all["layout"] and lesson_shows(rec["before"], rec["after"], rec["limit"]), rec
+    assert "check passed: after/before = " in text
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
