@@ -409,11 +409,24 @@ class Params(LabParams):
         "activation_mib": 16384,
     }
     LAB = "04_imbalanced_pipeline"
-    ONE_GPU = "a stage per rank; the notebook also profiles the layers on this GPU, beside the emulated costs"
+    RANKS_WHY = (
+        "a stage per rank, as many as its forecast shows the lesson on (DGX H100, GPU sizes: 8 stages x0.58, "
+        "4 x0.69, 2 x0.81 too little); under 4 GPUs 4 emulated stages, the layers also profiled on a GPU"
+    )
     RANKS = "stages"
     NOTEBOOK_SIMULATED = True  # its gradients are checked on the emulated cluster, the rest runs there
     TEST = {"cluster": "cpu"}
     SMOKE = {"n_layers": 4, "d_model": 32, "vocab_size": 1024, "seq_len": 16, "global_batch": 8, "steps": 1}
+
+    @classmethod
+    def ranks_on(cls, gpus: int) -> int | None:
+        # The stage counts the forecast shows the lesson on at the GPU sizes (tests/experiments/test_params.py
+        # pins it): 4 and 8; 8 the most (the head is a larger share of a shorter stage), 2 too little, 16
+        # not at all (one block a stage: the head's stage alone sets the pace, after/limit 1.65). The naive
+        # run takes one micro-batch per stage, which must divide global_batch (32, 64 on GPUs): powers of two
+        if gpus >= 8:
+            return 8
+        return 4 if gpus >= 4 else None
 
     def check(self) -> None:
         self.check_multiple("d_model", 4, "the lab's GPT has 4 attention heads")

@@ -168,8 +168,8 @@ def _lab04_fixture(before_ms: float, after_ms: float, extra: list[str]) -> nbfor
         f"measured = {{'before': run({before_ms}), 'balanced, few micro-batches': run(130.0),\n"
         f"            'after': run({after_ms})}}\n"
         "before, after = measured['before'], measured['after']\n"
-        "the_cluster, label = SimpleNamespace(is_emulated=True), 'emulated'\n"
-        "simulated = False"
+        "label = 'emulated'\n"
+        "machine = SimpleNamespace(computes_values=True, judged_by_verdict=False)  # the emulated cluster"
     )
     check = nbformat.v4.new_code_cell(_check_cell("# The check. Gradients must be the model's;"))
     nb = nbformat.v4.new_notebook(cells=[params, setup, check, *map(nbformat.v4.new_code_cell, extra)])

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from labkit.forecast import TARGET_TO_LIMIT, lesson_shows
+
 LAB = "04_imbalanced_pipeline"
 
 
@@ -51,6 +53,34 @@ def test_the_notebook_on_a_simulated_node_checks_gradients_emulated_and_times_th
     assert rec["params"]["d_model"] == 1024 and rec["emulated"] and rec["max_abs_diff"] is None
     assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.2
     assert rec["peak_mib_gpipe"][0] > 1.3 * rec["peak_mib_1f1b"][0]
+
+
+# Four stages on CI's fake CUDA machine: a heavier head (a 12 K vocabulary on a 128-wide GPT: about 3 blocks'
+# work there) and fewer, wider blocks than the emulated defaults. The fake's memory model sees every operator
+# (a Python dispatch mode: some 50 us per operator stay on the rank's clock, its counting off it), so 64-wide
+# layers are launch-bound there as on a GPU at toy sizes, and more micro-batches only cost more
+FAKE_CUDA_SIZES = {"d_model": 128, "n_layers": 8, "vocab_size": 12288, "global_batch": 16, "steps": 2}
+
+
+@pytest.mark.fake_cuda
+def test_the_gpu_branch_on_fake_cuda_beats_the_naive_split_and_prints_its_verdict(run_on_fake_cuda):
+    """The notebook's real-GPU branch on four fake H100s (labkit.emulate.fake_cuda), one stage each: the
+    gradients are checked against one process, the balanced split with the chosen micro-batches beats the split
+    by layer count toward its limit, 1F1B holds less than GPipe (read through torch.cuda's memory API), and the
+    GPU branch prints the course's verdict on its numbers (labkit.forecast.verdict). after/before measured 0.69
+    and 0.87 on the 2-core VM, under the course's 0.8 or not, so the verdict is checked against the numbers,
+    not for a pass."""
+    rec, text = run_on_fake_cuda(LAB, gpus=4, interleaved=False, **FAKE_CUDA_SIZES)
+    assert rec["machine"] == "gpu" and rec["where"] == "emulated, fake CUDA" and rec["emulated"] is False
+    assert rec["params"]["stages"] == 4 and rec["max_abs_diff"] < 1e-5
+    before, after, limit = rec["before"], rec["after"], rec["limit"]
+    assert after < before and after / limit <= TARGET_TO_LIMIT, (before, after, limit)
+    assert rec["step_ms_balanced_few"] < before and rec["imbalance_after"] < rec["imbalance_before"]
+    assert rec["peak_mib_gpipe"][0] > 1.3 * rec["peak_mib_1f1b"][0]
+    ratios = f"after/before = {after / before:.2f}, after/limit = {after / limit:.2f} ({rec['where']})"
+    shows = lesson_shows(before, after, limit)
+    said = "check passed: " if shows else "the lesson does not show on this machine: "
+    assert said + ratios in text, text[-2000:]
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
