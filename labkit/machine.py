@@ -64,7 +64,7 @@ class Machine:
 
     @property
     def kind(self) -> str:
-        """"gpu", "emulated", "simulated" or "torchrun"."""
+        """The kind of machine: "gpu", "emulated", "simulated" or "torchrun"."""
         return "torchrun" if self.torchrun else self.cluster.kind
 
     @property

@@ -174,6 +174,23 @@ class MemoryBudget(compat.TorchDispatchMode):
             elif isinstance(obj, torch.Tensor):
                 self._count(obj)
 
+    def forget(self) -> None:
+        """Start afresh: nothing counted, a fresh allocator of the same capacity (a forked process's view of
+        its own device: its parent's storages, freed there, are not its own and are ignored)."""
+        with self._lock:
+            if self.allocator is not None:
+                old = self.allocator
+                self.allocator = CachingAllocator(
+                    old.capacity_bytes,
+                    expandable_segments=old.expandable_segments,
+                    max_split_size=old.max_split_size,
+                    device=old.device,
+                )
+            self._seen.clear()
+            self._handles.clear()
+            self._pending.clear()
+            self.allocated = self.peak = 0
+
     def reset_peak(self) -> None:
         """Peaks (of live bytes, and of the allocator's) back to the current values."""
         with self._lock:

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from labkit.emulate.allocator import CachingAllocator
 from labkit.emulate.budget import MemoryBudget
+from labkit.emulate.clock import CLOCK_ENV, rank_clock
 from labkit.gpu_links import FAKE_CUDA_SUFFIX
 
 __all__ = ["ENV", "GPU_NAME", "TOTAL_BYTES", "active", "gpus", "install", "installed_budget"]
@@ -77,16 +77,10 @@ def _new_budget() -> MemoryBudget:
 
 def _empty_gpu_in_child() -> None:
     """A forked rank starts with an empty GPU, not its parent's: the same budget (it is on the inherited mode
-    stack) with a fresh allocator; the parent's storages freed here are not its own and are ignored."""
+    stack), forgetting what the parent counted."""
     budget = _STATE.get("budget")
-    if budget is None:
-        return
-    with budget._lock:
-        budget.allocator = CachingAllocator(TOTAL_BYTES, device=f"GPU 0 ({GPU_NAME})")
-        budget._seen.clear()
-        budget._handles.clear()
-        budget._pending.clear()
-        budget.allocated = budget.peak = 0
+    if budget is not None:
+        budget.forget()
 
 
 class _Event:
@@ -97,11 +91,8 @@ class _Event:
         self._t: float | None = None
 
     def record(self, stream: Any = None) -> None:
-        from labkit.emulate.clock import CLOCK_ENV, rank_clock
-
-        self._t = rank_clock().now() if os.environ.get(CLOCK_ENV) in ("virtual", "simulated") else (
-            time.perf_counter()
-        )
+        virtual = os.environ.get(CLOCK_ENV) in ("virtual", "simulated")  # a launched rank's clock
+        self._t = rank_clock().now() if virtual else time.perf_counter()
 
     def query(self) -> bool:
         return self._t is not None

@@ -29,7 +29,7 @@ from labkit.experiments.script import LabRecords, Meaning, Where, main
 from labkit.machine import Machine
 from labkit.measured_memory import BatchSearch, find_max_batch, free_memory, measure
 from labkit.memory import MemoryBreakdown, estimate
-from labkit.models import PRESETS, GPTConfig
+from labkit.models import PRESETS, GPTConfig, synthetic_batch
 from labkit.parallel.data import accumulate_with_no_sync
 from labkit.timer import Span
 from labkit.training.job import TrainingJob
@@ -242,8 +242,8 @@ def max_micro_batch(
 
     Run it where the memory limit is (``labkit.launch`` on a cluster with ``memory_gib``: the emulated budget,
     or the GPU with its memory cap). Each trial is the lab's step, as ``dp_train`` runs it: the course's
-    training job under DDP with Adam (two optimizer steps: the first makes Adam's states and lets DDP rebuild
-    its buckets), one micro-batch of the trial's size. On a GPU a cap limits the allocator's reserved
+    training job under DDP with Adam, one micro-batch of the trial's size, after a step of one sequence that
+    makes Adam's states and lets DDP rebuild its buckets. On a GPU a cap limits the allocator's reserved
     segments, so only the lab's own tensors, buckets and optimizer temporaries say whether it fits: a plain
     step without DDP passed the H200's cap where the lab's step then ran out. The DDP of a trial spans this
     rank alone (every rank makes its group of one here), so an OOM on one rank never leaves another waiting in
@@ -256,9 +256,13 @@ def max_micro_batch(
     def step(batch: int) -> None:
         job = _lab_job(batch, batch, precision, checkpointing, bucket_cap_mb, seed)
         trainer = Trainer(job, config, steps=2, process_group=alone)
-        for _ in range(2):
-            trainer.forward_backward(accumulate_with_no_sync)
-            trainer.update()
+        # a first step of one sequence makes Adam's states and lets DDP rebuild its buckets, as dp_train's
+        # first step does, for a fraction of the trial's compute
+        one = synthetic_batch(config, 1, seed=seed, device=trainer.dev)
+        trainer.forward_backward(lambda module, batches: module(*one).backward())
+        trainer.update()
+        trainer.forward_backward(accumulate_with_no_sync)  # the trial: one micro-batch of `batch` sequences
+        trainer.update()
 
     return find_max_batch(step, start=start, limit=limit)
 

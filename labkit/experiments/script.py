@@ -246,7 +246,10 @@ def run_lab(module: str, argv: list[str] | None = None) -> int:
         if not getattr(args, "world_size", None) and not torchrun.under_torchrun():
             params = params.for_machine()  # one rank on a one-GPU machine, for a lab that has it
         w = where(params.cluster, getattr(args, "world_size", None) or params.ranks or 2)
-        params = params.with_ranks(w.world_size).resolve(on_gpu=w.on_gpu or w.simulated)
+        # GPU sizes on real GPUs (torchrun's too) and simulated ones; not on CI's fake CUDA machine, whose
+        # ranks compute on this CPU (Cluster.gpu_sized)
+        gpu_sized = w.cluster.gpu_sized if isinstance(w.cluster, Cluster) else w.on_gpu
+        params = params.with_ranks(w.world_size).resolve(on_gpu=gpu_sized)
         if w.rank() == 0:
             print(f"lab {name}: {w.world_size} ranks ({w.label}); parameters {params.as_dict()}", flush=True)
         result: LabRecords = lab.headline(w, params)
