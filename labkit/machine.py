@@ -5,11 +5,11 @@ down. Labs and notebooks ask it what differs between machines; they do not test 
     labkit.launch(fn, world_size=m.ranks, cluster=m.limited(p.memory_mib))
     print(f"{step_ms:.1f} ms ({m.label})")
 
-Four kinds stand behind one value (`kind`): real GPUs ("gpu", NCCL, CUDA's caching allocator; CI's fake CUDA
-machine, `labkit.emulate.fake_cuda`, is one too, with tensors on the CPU), the emulated cluster ("emulated":
-CPU processes, gloo under the link model, the virtual clock), a simulated described machine ("simulated":
-FakeTensors, each operator timed on the described GPU) and, for a script's ranks that torchrun started,
-"torchrun". What each answers:
+Three kinds stand behind one value (`kind`): real GPUs ("gpu", NCCL, CUDA's caching allocator; CI's fake
+CUDA machine, `labkit.emulate.fake_cuda`, is one too, with tensors on the CPU), the emulated cluster
+("emulated": CPU processes, gloo under the link model, the virtual clock) and a simulated described machine
+("simulated": FakeTensors, each operator timed on the described GPU). A script's ranks that torchrun started
+are described by `labkit.experiments.script.Where` instead. What each answers:
 
 * where values are checked: `computes_values`, `for_values()` (a simulated machine computes none, so
   numerics are checked on the emulated cluster at the same ranks);
@@ -51,21 +51,19 @@ class Machine:
 
     cluster: Cluster
     ranks: int
-    torchrun: bool = False  # ranks that torchrun started (a script's), not ranks that labkit.launch starts
 
     @classmethod
-    def resolve(cls, spec: Cluster | str, ranks: int, *, torchrun: bool = False) -> Machine:
+    def resolve(cls, spec: Cluster | str, ranks: int) -> Machine:
         """The machine for `spec` ("auto" | "cpu" | "gpu" | "sim:<preset>[:nodes]" | a `Cluster`) and
         `ranks`, resolved once (`Cluster.resolve` checks that the ranks fit and says why it picked it)."""
-        cluster = spec if isinstance(spec, Cluster) and torchrun else Cluster.resolve(spec, ranks)
-        return cls(cluster, ranks, torchrun)
+        return cls(Cluster.resolve(spec, ranks), ranks)
 
     # ------------------------------------------------------------------ what it is
 
     @property
     def kind(self) -> str:
-        """The kind of machine: "gpu", "emulated", "simulated" or "torchrun"."""
-        return "torchrun" if self.torchrun else self.cluster.kind
+        """The kind of machine: "gpu", "emulated" or "simulated"."""
+        return self.cluster.kind
 
     @property
     def label(self) -> str:

@@ -33,7 +33,7 @@ from labkit.emulate.budget import MemoryBudget
 from labkit.emulate.clock import CLOCK_ENV, rank_clock
 from labkit.gpu_links import FAKE_CUDA_SUFFIX
 
-__all__ = ["ENV", "GPU_NAME", "TOTAL_BYTES", "active", "gpus", "install", "installed_budget"]
+__all__ = ["ENV", "GPU_NAME", "TOTAL_BYTES", "active", "gpus", "install"]
 
 ENV = "LABKIT_FAKE_CUDA"  # the number of fake GPUs; unset or "0": off
 GPU_NAME = f"NVIDIA H100 80GB HBM3 {FAKE_CUDA_SUFFIX}"
@@ -54,11 +54,6 @@ def gpus() -> int:
 def active() -> bool:
     """Is this process on the fake CUDA machine (installed here)?"""
     return "budget" in _STATE
-
-
-def installed_budget() -> MemoryBudget | None:
-    """The budget that serves `torch.cuda`'s memory API in this process (None: no fake here)."""
-    return _STATE.get("budget")
 
 
 def _budget() -> MemoryBudget:
