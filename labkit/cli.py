@@ -3,7 +3,7 @@
 labkit doctor [--as PRESET[:NODES]]
                                    what this machine is, a 2-rank smoke test and where each lab runs;
                                    --as: where each lab would run on a preset machine (nothing runs)
-labkit run [--lab 00] [--cluster auto|cpu|gpu] [--out runs] [-p KEY VALUE]
+labkit run [--lab 00] [--cluster auto|cpu|gpu|sim:dgx-h100] [--out runs] [-p KEY VALUE]
                                    execute the solution notebooks, write the report
 labkit build [--check]             write labs/ from solutions/ (or check it is current)
 labkit report RUN_DIR              rewrite the report of an earlier run
@@ -116,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
             results.append(_run_lab(nb, f"[{i}/{len(notebooks)}]", per_lab.get(nb.stem, given), out, args))
     except Interrupted as stop:
         results.append(_interrupted_entry(stop, given, per_lab))
-        write_report(out, results, context=run_context(root, args.cluster))
+        write_report(out, results, context=run_context(root, given["cluster"]))
         print(f"\nlabkit run: {_interrupted_line(stop, results, out, base)}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    json_path, md_path = write_report(out, results, context=run_context(root, args.cluster))
+    json_path, md_path = write_report(out, results, context=run_context(root, given["cluster"]))
     every_lab = len(notebooks) == len(sorted(solutions.glob("[0-9][0-9]_*.ipynb")))
     if complete(results, every_lab):
         print(f"report: {md_path} (and {json_path.name}); {point_latest(base, out)} points to it")
@@ -245,7 +245,7 @@ def build(args: argparse.Namespace) -> int:
 
 def quiz(args: argparse.Namespace) -> int:
     from labkit import quiz as q
-    from labkit.quiz.terminal import command_questions
+    from labkit.quiz.terminal import EXAM_MINUTES, command_questions
 
     try:  # errors say the option, its value and the command that works (--exam 0 is an error, not "all")
         questions = command_questions(args.topic, args.exam, args.seed, args.minutes)
@@ -256,7 +256,8 @@ def quiz(args: argparse.Namespace) -> int:
         print(q.text_form(questions))
         return 0
     try:
-        q.run_terminal(questions, minutes=args.minutes if args.exam is not None else None)
+        minutes = EXAM_MINUTES if args.minutes is None else args.minutes
+        q.run_terminal(questions, minutes=minutes if args.exam is not None else None)
     except (EOFError, KeyboardInterrupt):
         print("\nlabkit quiz: stopped", file=sys.stderr)
         return 1
@@ -281,13 +282,47 @@ def grade(args: argparse.Namespace) -> int:
 
 
 _CLUSTER_HELP = (
-    "auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; gpu: NCCL"
+    "auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; gpu: NCCL; "
+    "sim:dgx-h100 (or sim:<preset>:<nodes>): a simulated machine at GPU sizes, no GPU needed"
 )
+_CLUSTERS = ("auto", "cpu", "gpu")
+
+
+def _cluster_spec(text: str) -> str:
+    """--cluster's value for the commands that run notebooks: auto, cpu, gpu or sim:<preset>[:<nodes>], the
+    same values as a notebook's `cluster` parameter (argparse prints the error, exit status 2)."""
+    if text in _CLUSTERS:
+        return text
+    if text.startswith("sim:"):
+        from labkit.cluster import Cluster
+
+        try:
+            Cluster.resolve(text, 1)  # the preset and node count, checked
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a cluster: use auto, cpu, gpu or sim:<preset>[:<nodes>], "
+        "e.g. --cluster sim:dgx-h100"
+    )
+
+
+def _doctor_cluster(text: str) -> str:
+    """--cluster's value for doctor, which checks this machine: a simulated one is `--as`'s."""
+    if text.startswith("sim:"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a machine you do not have: labkit doctor --as {text.removeprefix('sim:')} says "
+            "where "
+            "each lab would run on it; --cluster takes auto, cpu or gpu"
+        )
+    if text not in _CLUSTERS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a cluster: use auto, cpu or gpu")
+    return text
 
 
 def _notebook_options(p: argparse.ArgumentParser, cluster: str, param_help: str) -> None:
     """The options of the commands that execute notebooks (run, grade): the cluster, -p, the cell timeout."""
-    p.add_argument("--cluster", default=cluster, choices=["auto", "cpu", "gpu"], help=_CLUSTER_HELP)
+    p.add_argument("--cluster", default=cluster, type=_cluster_spec, metavar="CLUSTER", help=_CLUSTER_HELP)
     p.add_argument(
         "-p",
         "--param",
@@ -315,7 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "doctor", help="hardware, backend, versions and a 2-rank smoke test", formatter_class=fmt
     )
-    p.add_argument("--cluster", default="auto", choices=["auto", "cpu", "gpu"], help=_CLUSTER_HELP)
+    p.add_argument(
+        "--cluster",
+        default="auto",
+        type=_doctor_cluster,
+        metavar="{auto,cpu,gpu}",
+        help="auto: NCCL when this machine has enough GPUs, else the emulated cluster; cpu: emulated; "
+        "gpu: NCCL (a simulated machine: --as)",
+    )
     p.add_argument(
         "--recalibrate",
         action="store_true",
@@ -369,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="a timed mock exam of N questions over every topic; answers and explanations at the end",
     )
-    p.add_argument("--minutes", type=float, default=30.0, help="the mock exam's time limit")
+    p.add_argument("--minutes", type=float, help="the mock exam's time limit (with --exam; default 30)")
     p.add_argument("--print", action="store_true", help="print the questions and the key instead of asking")
     p.set_defaults(func=quiz)
 

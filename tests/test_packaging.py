@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -224,3 +225,25 @@ def test_the_gpu_workflow_is_nightly_label_gated_and_never_runs_untrusted_code()
     # what fits the runner: NCCL where it has a GPU per rank, the emulated cluster (said so) elsewhere
     assert "nvidia-smi" in runs and "labkit doctor" in runs and "labkit run --cluster auto" in runs
     assert "tests/gpu_check.sh" in runs and any("upload-artifact" in s.get("uses", "") for s in job["steps"])
+
+
+def test_the_readmes_jupyterlab_serves_the_checkout_so_every_link_in_a_lab_opens() -> None:
+    """The README's `jupyter lab` command must keep the checkout as the server's root (given only a notebook,
+    JupyterLab serves that notebook's folder), and every relative link in a lab, read from the learner's
+    copy `my-labs/` beside `labs/`, must name a file of the checkout (issue 44: links to ../labkit were
+    404s)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    (command,) = [line for line in readme.splitlines() if line.startswith("jupyter lab ")]
+    assert "--ServerApp.root_dir=." in command.split(), command
+    my_labs = REPO / "my-labs"  # where `cp -r labs my-labs` puts the copy: the same depth as labs/
+    broken = []
+    for nb_path in sorted((REPO / "labs").glob("*.ipynb")):
+        nb = json.loads(nb_path.read_text(encoding="utf-8"))
+        for cell in nb["cells"]:
+            if cell["cell_type"] != "markdown":
+                continue
+            for target in re.findall(r"\]\((?!https?:|#|mailto:)([^)\s#]+)", "".join(cell["source"])):
+                path = (my_labs / target).resolve()
+                if REPO.resolve() not in path.parents or not path.exists():
+                    broken.append(f"{nb_path.name}: {target}")
+    assert not broken, f"links that would not open from my-labs/: {broken}"

@@ -22,7 +22,7 @@ from typing import Any
 import nbformat
 
 from labkit.experiments import registry
-from labkit.experiments.params import LabParams, ParamError
+from labkit.experiments.params import RANK_WORDS, LabParams, ParamError
 
 __all__ = ["PARAMETERS_TAG", "LabParamError", "lab_parameters", "parameters_source", "with_parameters"]
 
@@ -93,7 +93,12 @@ def _unknown(key: str, value: Any, fields: Mapping[str, Mapping[str, Any]], verb
         where = f"any of the labs {verb} (every lab: {', '.join(common)}; {listed})"
     known = [k for f in fields.values() for k in f]
     close = difflib.get_close_matches(key, dict.fromkeys(known), n=1)
-    if close:
+    # A word for the ranks that is not these labs' field for them (lab 04's are its stages): that field,
+    # not whichever name happens to be spelled alike
+    ranks = dict.fromkeys(r for lab in labs if (r := registry.params_of(lab).RANKS) and r != key)
+    if key in RANK_WORDS and ranks:
+        fix = f"the ranks are set by {' or '.join(_typed(r, value) for r in ranks)}"
+    elif close:
         fix = f"did you mean {_typed(close[0], value)}? (or leave -p {key} out)"
     else:
         example = next(
@@ -127,7 +132,7 @@ def lab_parameters(
             continue
         mine = {k: v for k, v in given.items() if k in fields[lab]}
         try:
-            registry.params_of(lab).make(mine, "p").check_notebook_cluster("p")
+            registry.params_of(lab).for_notebook(mine, "p")
         except ParamError as err:
             raise LabParamError(lab, err) from None
         out[lab] = mine

@@ -113,7 +113,8 @@ def _header(context: dict[str, Any] | None) -> list[str]:
     ]
     if context.get("cluster"):
         lines += [
-            "Cluster (as `labkit.Cluster.resolve` sees it for 2 ranks):",
+            "Cluster (the run's `cluster`, as `labkit.Cluster.resolve` sees it for 2 ranks; each lab's own "
+            "ranks and machine are in its \"measured on\" column):",
             "",
             "```",
             str(context["cluster"]).rstrip(),
@@ -212,7 +213,11 @@ def _lab_section(e: dict[str, Any]) -> list[str]:
 def _measured_on(records: dict[str, Any]) -> str:
     """Where a lab's numbers were measured, as its records say: a simulated machine (its `cluster` parameter,
     "sim:<preset>"; the emulated cluster in all but compute, so it also records `emulated`), the emulated
-    cluster, or GPUs. Numbers that are not a GPU's are labelled so wherever they are shown."""
+    cluster, or GPUs; the label its `Machine` recorded ("where") where it has one. Numbers that are not a
+    GPU's are labelled so wherever they are shown."""
+    where = records.get("where")  # the lab's Machine label (labkit.machine.Machine.records)
+    if isinstance(where, str) and where:
+        return where
     cluster = (records.get("params") or {}).get("cluster")
     if isinstance(cluster, str) and cluster.startswith("sim:"):
         return f"simulated {cluster.removeprefix('sim:')}"

@@ -349,16 +349,21 @@ def check_fix(fn: Callable[[TrainingJob, Diagnosis], TrainingJob], cap: Capstone
             if f.name not in knobs and getattr(got, f.name) != getattr(job, f.name)
         ]
         if changed:
-            raise AssertionError(f"{call}: {_why_changed(got, job, cap, changed, other)}")
+            raise AssertionError(f"{call}: {_why_changed(got, job, cap, changed, other, sorted(knobs))}")
         _check_knob(call, got, job, mistake)
     return len(cases)
 
 
 def _why_changed(
-    got: TrainingJob, job: TrainingJob, cap: Capstone, changed: list[str], other: Mistake | None
+    got: TrainingJob,
+    job: TrainingJob,
+    cap: Capstone,
+    changed: list[str],
+    other: Mistake | None,
+    knobs: list[str],
 ) -> str:
     """Why knobs the finding does not point to changed: a second mistake fixed too, a fresh start from
-    cap.job, the clean job copied, or just changed."""
+    cap.job, the clean job copied, or just changed; `knobs`: those the finding does point to."""
     was = ", ".join(f"{k} {getattr(job, k)!r} -> {getattr(got, k)!r}" for k in changed)
     if other is not None and other.knob in changed and not other.planted_in(got):
         return (
@@ -376,7 +381,8 @@ def _why_changed(
         )
     if telling and all(getattr(got, k) == getattr(cap.clean, k) for k in changed):
         return f"it changed {was}, to the clean job's values: cap.clean is the answer key; fix the job given"
-    return f"it changed {was}, which the finding does not point to: change only the knob behind it"
+    behind = " and ".join(f"job.{k} (now {getattr(job, k)!r})" for k in knobs)
+    return f"it changed {was}, which the finding does not point to: change only the knob behind it, {behind}"
 
 
 def _check_knob(call: str, got: TrainingJob, job: TrainingJob, mistake: Mistake) -> None:

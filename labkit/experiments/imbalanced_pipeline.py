@@ -434,7 +434,18 @@ class Params(LabParams):
 
     def resolve(self, *, on_gpu: bool = False) -> Params:
         p = self.gpu_sized(on_gpu)
-        p = p if p.few_micro_batches is not None else replace(p, few_micro_batches=p.stages)
+        if p.few_micro_batches is None:  # one micro-batch per stage: the stages must divide the batch
+            if p.global_batch % p.stages:
+                fits = [s for s in (2, 4, 8, 16) if p.global_batch % s == 0 and s <= p.n_layers]
+                raise ParamError(
+                    "stages",
+                    p.stages,
+                    f"a divisor of global_batch={p.global_batch} (the naive run takes one micro-batch per "
+                    f"stage, few_micro_batches defaults to stages): "
+                    f"{', '.join(map(str, fits)) or 'none here'}",
+                    min(fits, key=lambda s: abs(s - p.stages)) if fits else p.global_batch,
+                )
+            p = replace(p, few_micro_batches=p.stages)
         p.check_at_least(
             "few_micro_batches", p.stages, "stages", "1F1B needs a micro-batch in flight on every stage"
         )

@@ -16,9 +16,16 @@ def _scaled(g: torch.Tensor, ref: torch.Tensor, factor: float) -> bool:
     return torch.allclose(g, ref * factor, rtol=1e-4, atol=1e-6)
 
 
-def check_accumulation(results: list[Any], reference: torch.Tensor, steps: int) -> float:
+def check_accumulation(results: list[Any] | None, reference: torch.Tensor, steps: int) -> float:
     """Lab 02: accumulated gradients equal the big batch's, with one all-reduce per bucket per optimizer
-    step; `results` are `dp_train` results (`return_grads=True`). Returns the largest gradient error."""
+    step; `results` are `dp_train` results (`return_grads=True`), None where the exercise's run raised (its
+    cell sets it to None first, so that a failed attempt is never checked by an earlier one's results).
+    Returns the largest gradient error."""
+    if results is None:
+        raise AssertionError(
+            "the exercise cell above did not finish: its last run stopped with the error printed under it. "
+            "Fix `accumulate` there and run that cell again, then this one."
+        )
     error = max((r.grads - reference).abs().max().item() for r in results)
     r0 = results[0]
     if r0.allreduce_calls == 0:

@@ -36,6 +36,7 @@ from labkit.validate import ParamError
 
 __all__ = [
     "FORMS",
+    "RANK_WORDS",
     "SIMULATED_CLUSTERS",
     "LabParams",
     "ParamError",
@@ -133,6 +134,10 @@ def simulable_cluster(default: str = "auto") -> Any:
         "another preset): a simulated node at GPU sizes, links as published",
         choices=("auto", "cpu", "gpu", *SIMULATED_CLUSTERS),
     )
+
+
+# What people call the number of ranks, whatever a lab's field for them is named (`LabParams.RANKS`)
+RANK_WORDS = frozenset({"world_size", "stages", "ranks", "nproc", "nproc_per_node", "gpus", "num_gpus"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,14 +262,21 @@ class LabParams:
     def from_cell(cls: type[P], namespace: Mapping[str, Any], on_gpu: bool | None = None) -> P:
         """In a notebook: the parameters cell's values (after papermill's), checked and resolved."""
         values = {k: namespace[k] for k in cls.field_docs() if k in namespace}
-        made = cls.make(values, "cell").for_machine()
-        made.check_notebook_cluster("cell")
+        return cls.for_notebook(values, "cell", on_gpu)
+
+    @classmethod
+    def for_notebook(cls: type[P], values: Mapping[str, Any], form: str, on_gpu: bool | None = None) -> P:
+        """`values` as the notebook will take them: checked, the ranks and sizes of the machine filled in
+        and checked with them (`resolve`), a `ParamError` in `form`. `labkit run -p` calls it before any
+        kernel starts, so that what a notebook would refuse is refused there, with what the user typed."""
+        made = cls.make(values, form).for_machine()
+        made.check_notebook_cluster(form)
         if on_gpu is None:
             on_gpu = Cluster.resolve(made.cluster, max(1, made.ranks or 1)).gpu_sized
         try:
             return made.resolve(on_gpu=on_gpu)
         except ParamError as err:
-            raise err.in_form("cell") from None
+            raise err.in_form(form) from None
 
     def check_notebook_cluster(self, form: str) -> None:
         """Refuse a simulated machine for a notebook that needs numerics (`NOTEBOOK_SIMULATED`), naming the
@@ -283,13 +295,10 @@ class LabParams:
 
     # ---------------------------------------------------------------- ranks
 
-    # what people call the number of ranks, whatever the lab's field for them is named
-    _RANK_WORDS = frozenset({"world_size", "stages", "ranks", "nproc", "nproc_per_node", "gpus", "num_gpus"})
-
     @classmethod
     def _ranks_hint(cls, name: str, form: str) -> str:
         """For a name meaning the ranks that is not this lab's: which field and option set them here."""
-        if name not in cls._RANK_WORDS or name == cls.RANKS:
+        if name not in RANK_WORDS or name == cls.RANKS:
             return ""
         if not cls.RANKS:
             return " (it picks its own ranks)"

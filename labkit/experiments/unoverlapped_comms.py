@@ -328,7 +328,11 @@ class Params(LabParams):
 
     cluster: str = simulable_cluster()
 
-    world_size: int = param(2, "data-parallel ranks, one per GPU or emulated GPU", minimum=1)
+    world_size: int = param(
+        2,
+        "data-parallel ranks, one per GPU or emulated GPU; overlap needs two (one rank all-reduces nothing)",
+        minimum=2,
+    )
     n_layers: int = gpt_param("n_layers", 6, "each block has 12 parameter tensors")
     d_model: int = gpt_param("d_model", 128)
     seq_len: int = gpt_param("seq_len", 64)
@@ -383,7 +387,6 @@ class Params(LabParams):
 
     def check(self) -> None:
         self.check_multiple("d_model", 4, "the lab's GPT has 4 attention heads")
-
 
 
 def headline(w: Where, p: Params) -> LabRecords:

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import difflib
 import math
+import threading
 import time
 from collections.abc import Callable
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
 from labkit.quiz.show import question_lines
 
-__all__ = ["command_questions", "read_answer", "run_terminal"]
+__all__ = ["EXAM_MINUTES", "command_questions", "read_answer", "run_terminal"]
+
+EXAM_MINUTES = 30.0  # a mock exam's time limit unless --minutes says otherwise
 
 _Answer = int | float | None  # a choice's index, a number, or None: skipped
 
@@ -162,9 +165,21 @@ def _exam(
         if late():  # the limit passed between two questions
             say(f"time is up ({minutes:g} min).")
             break
-        say(f"\n[time left {_mmss(limit - (clock() - start))} of {_mmss(limit)}]")
+        left = limit - (clock() - start)
+        say(f"\n[time left {_mmss(left)} of {_mmss(limit)}]")
         say("\n".join(question_lines(q, i + 1)))
-        answer, in_time = _ask(q, ask, say, late)
+        # said the moment the limit passes, not only once an answer comes (input() blocks until then)
+        alarm = threading.Timer(
+            left,
+            say,
+            [f"\ntime is up ({minutes:g} min): press Enter for your score (an answer now is not counted)."],
+        )
+        alarm.daemon = True
+        alarm.start()
+        try:
+            answer, in_time = _ask(q, ask, say, late)
+        finally:
+            alarm.cancel()
         if not in_time:
             say(f"time is up ({minutes:g} min): that answer came after the limit and is not counted.")
             break
@@ -211,7 +226,7 @@ def _score_lines(scores: dict[str, tuple[int, int]]) -> str:
 
 
 def command_questions(
-    topic: str | None = None, exam_n: int | None = None, seed: int = 0, minutes: float = 30.0
+    topic: str | None = None, exam_n: int | None = None, seed: int = 0, minutes: float | None = None
 ) -> list[Question]:
     """`labkit quiz`'s questions: the bank (of `topic`), or a mock exam of `exam_n` questions.
 
@@ -219,7 +234,13 @@ def command_questions(
     works (`labkit quiz --topic memory`), for the command line to print."""
     if seed < 0:
         raise ValueError(f"--seed {seed} must be a whole number >= 0; e.g. labkit quiz --seed 0")
+    if exam_n is None and minutes is not None:
+        raise ValueError(
+            f"--minutes {minutes:g} is a mock exam's time limit, and practice has none: add --exam N, "
+            f"e.g. labkit quiz --exam 20 --minutes {minutes:g}"
+        )
     if exam_n is not None:
+        minutes = EXAM_MINUTES if minutes is None else minutes
         size = len(bank(seed=seed))
         if exam_n < 1:
             raise ValueError(

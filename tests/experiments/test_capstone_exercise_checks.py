@@ -160,6 +160,11 @@ WRONG_FIXES = {
         "reads the right values from labkit.training.MISTAKES",
     ),
     "nothing returned": (lambda cap: lambda job, finding: None, "returned None"),
+    # issue 44: a knob of its own choosing is refused with the one the finding points to
+    "a bigger bucket for per-tensor all-reduces": (
+        lambda cap: fix_by(knobs=_with("small_collectives", {"bucket_cap_mb": 100.0})),
+        "change only the knob behind it, job.grad_sync (now 'per_tensor')",
+    ),
 }
 
 

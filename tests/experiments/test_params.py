@@ -144,7 +144,13 @@ RESOLVED = {
     "05_unprofiled_run": lambda p, n: True,
     "06_capstone": lambda p, n: True,
 }
-NEEDS_TWO = {"00_cluster_tour", "04_imbalanced_pipeline", "05_unprofiled_run", "06_capstone"}
+NEEDS_TWO = {
+    "00_cluster_tour",
+    "03_unoverlapped_comms",
+    "04_imbalanced_pipeline",
+    "05_unprofiled_run",
+    "06_capstone",
+}
 
 
 def _on(params: type[LabParams], n: int) -> LabParams:

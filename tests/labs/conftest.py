@@ -207,8 +207,9 @@ def mutations_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dic
     """`mutations_run(lab, exercise, check, mistakes)`: in one kernel, the cut notebook's cells before the
     exercise once, then for each mistake the exercise cell with its edits and the check cell (and the right
     answer last); per mistake, (the source of the cell that failed, its error's text) — ("", "") if nothing
-    failed. One kernel per lab: each mistake's cells run after the setup, as a learner's re-run of the two
-    cells."""
+    failed — and where the exercise's own cell failed, under "<mistake>, then its check", what the check cell
+    says when run after it. One kernel per lab: each mistake's cells run after the setup, as a learner's
+    re-run of the two cells."""
     cache: dict[tuple, dict[str, tuple[str, str]]] = {}
 
     def run(
@@ -246,11 +247,20 @@ def mutations_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dic
                     for c in rest
                 ]
                 out[name] = ("", "")
-                for cell in trial:
+                for k, cell in enumerate(trial):
                     try:
                         execute_cell(cell)
                     except CellExecutionError as err:
                         out[name] = (cell.source, str(err))
+                        # the learner runs the check next all the same: it must not answer for an earlier
+                        # attempt (issue 44), kept as "<name>, then its check"
+                        if exercise in cell.source and check not in cell.source:
+                            later = next(c for c in trial[k + 1 :] if check in c.source)
+                            try:
+                                execute_cell(later)
+                                out[f"{name}, then its check"] = (later.source, "")
+                            except CellExecutionError as then:
+                                out[f"{name}, then its check"] = (later.source, str(then))
                         break
         cache[key] = out
         return out

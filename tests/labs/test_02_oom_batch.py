@@ -110,6 +110,16 @@ def test_a_wrong_answer_fails_at_its_check_with_its_hint(mutations_run, name):
     assert MISTAKES[name][1] in error, f"{name}: the hint does not name the mistake: {error[-1500:]}"
 
 
+def test_the_check_after_a_failed_exercise_cell_never_shows_an_earlier_attempts_hint(mutations_run):
+    """Issue 44: the second wrong answer fails in the exercise cell itself; the check cell, run next, must
+    say so instead of checking the first attempt's results (whose hint named another mistake)."""
+    failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
+    assert "7 forward passes for 8 micro-batches" in failed["last micro-batch forgotten"][1]
+    cell, error = failed["last micro-batch forgotten, then its check"]
+    assert EXERCISE[1] in cell and "the exercise cell above did not finish" in error, error[-1500:]
+    assert MISTAKES["no_sync on every micro-step"][1] not in error, error[-1500:]
+
+
 def test_the_right_answer_passes_the_check(mutations_run):
     failed = mutations_run(LAB, *EXERCISE, {k: edits for k, (edits, _) in MISTAKES.items()})
     assert failed["the right answer"] == ("", ""), failed["the right answer"][1][-1500:]

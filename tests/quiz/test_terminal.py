@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -155,6 +156,26 @@ def test_an_answer_after_the_limit_is_not_counted_and_ends_the_exam():
     assert len(s.answers) == 1 and s.out.count("] Not answered. The answer: ") == 2
 
 
+def test_time_up_is_said_while_the_learner_still_sits_on_a_question():
+    """Issue 44: input() blocks, so the limit passing is said by a timer, before any answer comes."""
+    questions = quiz.exam(2, seed=1)
+    said: list[str] = []
+    answered_after: list[int] = []
+
+    def ask(prompt: str) -> str:  # the learner sits on Q1 past the 0.6 s limit, then answers
+        for _ in range(200):  # up to 20 s: a loaded machine only delays the timer
+            if any("time is up" in line for line in said):
+                break
+            time.sleep(0.1)
+        answered_after.append(len(said))
+        return _right(questions[0])
+
+    quiz.run_terminal(questions, ask=ask, say=said.append, minutes=0.01)
+    (at,) = answered_after
+    assert any(line.startswith("\ntime is up (0.01 min): press Enter") for line in said[:at]), said
+    assert "that answer came after the limit and is not counted" in "\n".join(said[at:])
+
+
 def test_an_invalid_answer_after_the_limit_also_ends_the_exam():
     questions = quiz.exam(2, seed=1)
     s = _Session([(400, "nonsense"), (0, _right(questions[0]))])
@@ -178,6 +199,11 @@ def test_an_invalid_answer_after_the_limit_also_ends_the_exam():
         (["--topic", "Pipelines"], ["(did you mean pipeline?)", "labkit quiz --topic pipeline"]),
         (["--seed", "-1"], ["--seed -1 must be a whole number >= 0", "labkit quiz --seed 0"]),
         (["--exam", "5", "--minutes", "0"], ["--minutes 0 must be", "labkit quiz --exam 5 --minutes 30"]),
+        # issue 44: --minutes without --exam was ignored silently
+        (
+            ["--minutes", "10"],
+            ["--minutes 10 is a mock exam's time limit", "labkit quiz --exam 20 --minutes 10"],
+        ),
     ],
 )
 def test_labkit_quiz_refuses_a_bad_option_in_one_line_with_the_command_that_works(argv, expected, capsys):
