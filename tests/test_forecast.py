@@ -32,6 +32,7 @@ from labkit.experiments.unprofiled_run import MYSTERY_KINDS, fixed_job, kinds_th
 from labkit.experiments.unprofiled_run import Params as Lab05
 from labkit.experiments.unprofiled_run import clean_job as lab05_clean_job
 from labkit.forecast import (
+    HBM_BYTES_PER_S,
     Forecast,
     bandwidth_forecast,
     bucket_sizes,
@@ -65,7 +66,7 @@ def _lab03(p: Lab03, ranks: int) -> Forecast:
     )
 
 
-@pytest.mark.parametrize("ranks", [2, 8])
+@pytest.mark.parametrize("ranks", [4, 8])
 def test_lab_03s_gpu_defaults_show_the_lesson_on_one_dgx_h100_node(ranks):
     p = Lab03(world_size=ranks).resolve(on_gpu=True)
     assert (p.d_model, p.n_layers, p.micro_batch) == (2048, 8, 2)
@@ -75,6 +76,22 @@ def test_lab_03s_gpu_defaults_show_the_lesson_on_one_dgx_h100_node(ranks):
     assert f.after / f.before <= 0.8 and f.after / f.limit <= 1.25
     # communication is a real share of the step, not a rounding error
     assert f.terms["per-tensor all-reduces"] >= 0.3 * f.terms["compute"], str(f)
+
+
+def test_lab_03_on_two_nvlink_ranks_does_not_show_the_lesson_as_the_simulated_node_measured():
+    """Issue 44: on 2 simulated H100s the notebook measured after/before 0.96 where the forecast said 0.74.
+    The forecast left out the passes over the gradients on the compute stream (the buckets copy them in,
+    average and copy back: three passes to the naive loop's one); on 2 NVLink ranks the two extra passes
+    cost about what the all-reduce they hide does, so forecast and measurement now agree: it does not show."""
+    p = Lab03(world_size=2).resolve(on_gpu=True)
+    f = _lab03(p, 2)
+    assert not f.shows() and 0.8 < f.after / f.before < 0.95, str(f)
+    grads = 4 * p.config().num_params()  # fp32 gradients
+    one_pass_ms = 2 * grads / HBM_BYTES_PER_S * 1e3  # read and write
+    assert f.terms["a pass over the gradients"] == pytest.approx(one_pass_ms)
+    # the naive step pays one pass, the bucketed one three
+    assert f.before == pytest.approx(f.terms["compute"] + f.terms["per-tensor all-reduces"] + one_pass_ms)
+    assert f.limit == pytest.approx(f.terms["compute"] + 3 * one_pass_ms)
 
 
 def test_the_old_gpu_suggestion_and_the_emulated_sizes_are_what_the_review_found():

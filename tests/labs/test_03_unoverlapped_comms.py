@@ -3,6 +3,9 @@ exercise (the gradient hook and the bucket flush of OverlappedDDP)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -44,13 +47,40 @@ def test_the_script_on_a_simulated_dgx_h100_node_shows_the_lesson(simulated_lab)
     assert rec["max_abs_diff"] is None and rec["collectives_after"] < rec["collectives_before"]
 
 
-def test_the_notebook_on_a_simulated_node_checks_the_exercise_emulated_and_times_the_gpu_sizes(run_solution):
-    """cluster="sim:dgx-h100": the exercise's parameters are checked against one process on the emulated
-    cluster; the GPU-sized steps and traces run on the simulated node, where nothing numeric is compared and
-    torch DDP (whose C++ reducer needs storage) is left out. Two ranks (8: 57 s on the 2-core VM)."""
-    rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=2)
+def test_labkit_run_on_a_simulated_node_says_where_it_ran_and_its_forecast_agrees_with_its_verdict(
+    repo, labkit_env, tmp_path
+):
+    """`labkit run --lab 03 --cluster sim:dgx-h100`, as a new user types it (issue 44), at its default two
+    ranks: the exercise's parameters are checked against one process on the emulated cluster; the GPU-sized
+    steps and traces run on the simulated node, where nothing numeric is compared and torch DDP (whose C++
+    reducer needs storage) is left out. The report says it ran there, and the forecast and the verdict say
+    the same (on 2 NVLink ranks the lesson does not show; the forecast names the whole node, where it does)."""
+    cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "03", "--cluster", "sim:dgx-h100", "--quiet"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "runs")],
+        cwd=repo,
+        env=labkit_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d.name != "latest"]
+    report = json.loads((run_dir / "report.json").read_text())
+    rec = report["labs"][0]["records"]
     assert rec["params"]["d_model"] == 2048 and rec["max_abs_diff"] is None and rec["torch_ddp_ms"] is None
     assert rec["after"] < rec["before"] and rec["overlap_pct_after"] > rec["overlap_pct_before"]
+    md = (run_dir / "report.md").read_text()
+    assert "Simulated cluster" in md and "Emulated cluster" not in md
+    assert "| simulated H100-SXM5-80GB | passed |" in md
+    printed = (run_dir / f"{LAB}.ipynb").read_text()
+    forecast_shows = "): the lesson shows" in printed.split("on the whole node")[0]
+    verdict_shows = "the lesson does not show on this machine" not in printed
+    assert forecast_shows == verdict_shows, printed[-3000:]
+    if not forecast_shows:  # the forecast then says where it shows: the node's 8 GPUs
+        assert "on the whole node (-p world_size 8):" in printed and "the lesson shows" in printed
+    assert "-0.00 ms per collective" not in printed
+    assert "CPU ms per step" not in printed  # the simulator's own CPU time is no host's: not shown there
 
 
 @pytest.mark.fake_cuda
