@@ -309,6 +309,12 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (`Tensor._base`), None if it is not a view: autograd saves a weight
+    as a view of the parameter (`W.t()` for a linear layer), which owns the storage."""
+    return t._base
+
+
 # ------------------------------------------------------------------- MemTracker
 
 

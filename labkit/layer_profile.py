@@ -34,12 +34,20 @@ class LayerProfile:
         return self.forward_ms + self.backward_ms
 
 
-def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run fn and count the bytes of the tensors autograd saves for backward (each storage once)."""
+def _saved_bytes(
+    fn: Callable[[], torch.Tensor], params: frozenset[int] = frozenset()
+) -> tuple[torch.Tensor, int]:
+    """Run fn and count the bytes of the tensors autograd saves for backward (each storage once), but
+    the parameters (`params`: their ids), which a linear layer saves too: they are resident whatever the
+    micro-batch, so a step adds only the rest (issue 44: counted in, they made a lopsided split's memory
+    prediction miss)."""
     seen: dict[int, int] = {}
     kept = []  # a FakeTensor's storage has no address: keyed by the storage object, kept alive meanwhile
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        owner = compat.view_base(t)
+        if id(t) in params or (owner is not None and id(owner) in params):
+            return t
         if t.device.type != "meta":
             storage = t.untyped_storage()
             if compat.is_fake(t):
@@ -87,9 +95,10 @@ def profile_layers(
     layers: list[tuple[str, Callable]] = [("embedding", embedding)]
     layers += [(f"block {i}", block) for i, block in enumerate(model.blocks)]
     layers.append(("head", head))
+    weights = frozenset(id(p) for p in model.parameters())
     saved, h = [], None  # one untimed pass: what each layer saves for backward
     for _, layer in layers:
-        h, nbytes = _saved_bytes(lambda layer=layer, h=h: layer(h))
+        h, nbytes = _saved_bytes(lambda layer=layer, h=h: layer(h), weights)
         saved.append(nbytes)
     h.backward()
     n = len(layers)

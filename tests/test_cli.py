@@ -93,6 +93,8 @@ def test_labkit_run_writes_a_report_in_a_folder_of_its_own(repo, labkit_env, tmp
         (["-p", "no_such", "1"], "no_such=1 must be a parameter of any of the labs run"),
         # issue 44: a word for the ranks names the lab's field for them, not a look-alike (vocab_size)
         (["--lab", "04", "-p", "world_size", "3"], "the ranks are set by -p stages 3"),
+        # issue 44: a suggestion never repeats a value the suggested parameter refuses
+        (["--lab", "04", "-p", "stagse", "four"], "did you mean -p stages 4 (stages='four' would fail"),
         # issue 44: what the notebook's Params.resolve refuses is refused here, with what the user typed
         (["--lab", "04", "-p", "stages", "3"], "stages=3 must be a divisor of global_batch=32"),
         (["--lab", "03", "-p", "world_size", "1"], "world_size=1 must be a whole number with >= 2"),

@@ -50,3 +50,15 @@ def test_the_layers_are_timed_on_the_ranks_timer(monkeypatch):
     assert all(p.forward_ms >= 1.0 - 1e-9 and p.backward_ms >= 1.0 - 1e-9 for p in prof)
     # whole readings apart: each time is a difference of the timer's own readings
     assert all(abs(t - round(t)) < 1e-6 for p in prof for t in (p.forward_ms, p.backward_ms))
+
+
+def test_saved_activations_grow_with_the_micro_batch_and_leave_the_weights_out():
+    """A linear layer saves its weight for backward too, but a step adds only activations: counted in, the
+    weights made lab 04's memory prediction miss on a lopsided split (issue 44). What is counted scales with
+    the micro-batch, exactly, in every block and the head."""
+    config = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=8192, seq_len=64)
+    model = seeded_model(config)
+    one = profile_layers(model, *synthetic_batch(config, 1), repeats=1)
+    two = profile_layers(model, *synthetic_batch(config, 2), repeats=1)
+    for a, b in zip(one[1:], two[1:]):  # the embedding saves its index tensors, the positions' fixed
+        assert b.activation_bytes == pytest.approx(2 * a.activation_bytes, rel=1e-4), a.name

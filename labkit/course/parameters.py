@@ -80,6 +80,17 @@ def _typed(key: str, value: Any) -> str:
     return f"-p {key} {shlex.quote(text)}"
 
 
+def _suggested(name: str, value: Any, fields: Mapping[str, Mapping[str, Any]]) -> str:
+    """`-p name value` where the lab having `name` takes `value`, else `-p name <its default>`, saying why:
+    a suggestion must not repeat a value that fails next."""
+    lab = next(lab for lab, f in fields.items() if name in f)
+    try:
+        registry.params_of(lab).make({name: value}, "p")
+    except ParamError as err:
+        return f"{_typed(name, fields[lab][name])} ({name}={value!r} would fail: {err.constraint})"
+    return _typed(name, value)
+
+
 def _unknown(key: str, value: Any, fields: Mapping[str, Mapping[str, Any]], verb: str) -> ParamError:
     """The error for `-p key value` when `key` is a parameter of none of the labs in `fields` (lab -> its
     parameters and their defaults): the labs and their parameters, and the fix."""
@@ -99,7 +110,7 @@ def _unknown(key: str, value: Any, fields: Mapping[str, Mapping[str, Any]], verb
     if key in RANK_WORDS and ranks:
         fix = f"the ranks are set by {' or '.join(_typed(r, value) for r in ranks)}"
     elif close:
-        fix = f"did you mean {_typed(close[0], value)}? (or leave -p {key} out)"
+        fix = f"did you mean {_suggested(close[0], value, fields)}? (or leave -p {key} out)"
     else:
         example = next(
             ((k, d) for lab in labs for k, d in fields[lab].items() if k in own[lab] and d is not None),
