@@ -312,8 +312,7 @@ def _doctor_cluster(text: str) -> str:
     if text.startswith("sim:"):
         raise argparse.ArgumentTypeError(
             f"{text!r} is a machine you do not have: labkit doctor --as {text.removeprefix('sim:')} says "
-            "where "
-            "each lab would run on it; --cluster takes auto, cpu or gpu"
+            "where each lab would run on it; --cluster takes auto, cpu or gpu"
         )
     if text not in _CLUSTERS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a cluster: use auto, cpu or gpu")
