@@ -98,6 +98,11 @@ def test_labkit_run_writes_a_report_in_a_folder_of_its_own(repo, labkit_env, tmp
         # issue 44: what the notebook's Params.resolve refuses is refused here, with what the user typed
         (["--lab", "04", "-p", "stages", "3"], "stages=3 must be a divisor of global_batch=32"),
         (["--lab", "03", "-p", "world_size", "1"], "world_size=1 must be a whole number with >= 2"),
+        # issue 44: raised in the kernel, this said the script's "pass world_size=16"
+        (
+            ["--lab", "01", "-p", "cluster", "sim:dgx-h100", "-p", "world_size", "32"],
+            "world_size=32 must be at most 8 x nodes=2 (a H100-SXM5-80GB node holds 8 GPUs); set it with -p",
+        ),
         (["--lab", "03", "--cluster", "sim:dgx-h1000"], "'sim:dgx-h1000' is not a simulated machine"),
         (["--lab", "03", "--cluster", "tpu"], "'tpu' is not a cluster: use auto, cpu, gpu or sim:<preset>"),
     ],

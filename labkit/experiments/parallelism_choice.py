@@ -402,6 +402,8 @@ class Params(LabParams):
         p.check_multiple(
             "d_model", p.n_heads, f"each of the n_heads={p.n_heads} heads gets d_model / n_heads"
         )
+        if p.cluster.startswith("sim:"):  # the ranks on its simulated nodes, checked where the form is known
+            p.simulated_machine(capped=False)
         return p if p.memory_mib is not None else replace(p, memory_mib=_lesson_memory_mib(p))
 
     def for_nodes(self, nodes: int) -> Params:
