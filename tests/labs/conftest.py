@@ -81,6 +81,12 @@ def printed(path: Path) -> str:
     return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
 
 
+@pytest.fixture
+def read_printed() -> Callable[[Path], str]:
+    """`read_printed(path)`: what a run notebook printed (`printed`), for tests that run it themselves."""
+    return printed
+
+
 def code_cells(path: Path) -> list[str]:
     return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
 

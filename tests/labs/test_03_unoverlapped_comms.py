@@ -48,7 +48,7 @@ def test_the_script_on_a_simulated_dgx_h100_node_shows_the_lesson(simulated_lab)
 
 
 def test_labkit_run_on_a_simulated_node_says_where_it_ran_and_its_forecast_agrees_with_its_verdict(
-    repo, labkit_env, tmp_path
+    repo, labkit_env, tmp_path, read_printed
 ):
     """`labkit run --lab 03 --cluster sim:dgx-h100`, as a new user types it (issue 44), at its default two
     ranks: the exercise's parameters are checked against one process on the emulated cluster; the GPU-sized
@@ -73,7 +73,7 @@ def test_labkit_run_on_a_simulated_node_says_where_it_ran_and_its_forecast_agree
     md = (run_dir / "report.md").read_text()
     assert "Simulated cluster" in md and "Emulated cluster" not in md
     assert "| simulated H100-SXM5-80GB | passed |" in md
-    printed = (run_dir / f"{LAB}.ipynb").read_text()
+    printed = read_printed(run_dir / f"{LAB}.ipynb")  # the outputs, not the code that prints them
     forecast_shows = "): the lesson shows" in printed.split("on the whole node")[0]
     verdict_shows = "the lesson does not show on this machine" not in printed
     assert forecast_shows == verdict_shows, printed[-3000:]
