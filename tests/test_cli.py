@@ -107,13 +107,33 @@ def test_labkit_run_writes_a_report_in_a_folder_of_its_own(repo, labkit_env, tmp
         (["--lab", "03", "--cluster", "tpu"], "'tpu' is not a cluster: use auto, cpu, gpu or sim:<preset>"),
     ],
 )
-def test_labkit_run_checks_the_parameters_before_a_kernel_starts(repo, labkit_env, tmp_path, args, message):
-    cmd = [sys.executable, "-m", "labkit.cli", "run", "--quiet", "--out", str(tmp_path / "runs"), *args]
-    proc = subprocess.run(cmd, cwd=repo, env=labkit_env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[
-        -2000:
-    ]
+def test_labkit_run_checks_the_parameters_before_a_kernel_starts(
+    repo, tmp_path, monkeypatch, capsys, args, message
+):
+    monkeypatch.chdir(repo)
+    try:  # in this process: the same main() as the command, without a new interpreter per case
+        code = main(["run", "--quiet", "--out", str(tmp_path / "runs"), *args])
+    except SystemExit as stop:  # argparse's own refusals (--cluster)
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err[-2000:]
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_the_command_refuses_a_value_a_notebook_would_with_exit_2_and_no_traceback(
+    repo, labkit_env, tmp_path
+):
+    cmd = [sys.executable, "-m", "labkit.cli", "run", "--quiet", "--out", str(tmp_path / "runs")]
+    proc = subprocess.run(
+        [*cmd, "--lab", "04", "-p", "stages", "3"],
+        cwd=repo,
+        env=labkit_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith("labkit run: lab 04_imbalanced_pipeline: stages=3 must be"), proc.stderr
 
 
 def test_doctor_on_a_node_with_one_gpu_says_which_labs_use_it(capsys, monkeypatch):
@@ -136,8 +156,9 @@ def test_doctor_on_a_node_with_one_gpu_says_which_labs_use_it(capsys, monkeypatc
     assert "this node has 1 GPU: its lesson is gradient communication between ranks" in three
     # lab 02 takes one rank there and runs it on the GPU; lab 01 stays on its emulated two nodes
     assert "GPU: 1 rank on NCCL: its lessons are one rank's memory" in lines["02_oom_batch"]
-    assert "its default: its mistake is tensor parallelism across the link between two nodes" in (
-        lines["01_parallelism_choice"]
+    assert (
+        "its default: its mistake is tensor parallelism across the link between two nodes"
+        in (lines["01_parallelism_choice"])
     )
     assert "the layers also profiled on a GPU" in lines["04_imbalanced_pipeline"]
 
@@ -152,8 +173,14 @@ def _fake_lab(outcomes: dict[str, str]):
         if outcome == "interrupted":
             (out / nb.name).write_text("{}")
             raise Interrupted(out / nb.name, 7, 30)
-        entry = {"lab": nb.stem, "notebook": str(out / nb.name), "parameters": params, "status": outcome,
-                 "seconds": 1.0, "records": {}}
+        entry = {
+            "lab": nb.stem,
+            "notebook": str(out / nb.name),
+            "parameters": params,
+            "status": outcome,
+            "seconds": 1.0,
+            "records": {},
+        }
         return {**entry, "error": "cell 3: AssertionError: x"} if outcome == "failed" else entry
 
     return fake
@@ -210,7 +237,12 @@ def test_ctrl_c_during_labkit_run_ends_it_in_one_line_with_no_process_left(repo,
     runs = tmp_path / "runs"
     cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "01", "--quiet", "--out", str(runs)]
     proc = subprocess.Popen(
-        cmd, cwd=repo, env=labkit_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd,
+        cwd=repo,
+        env=labkit_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
         # as a terminal's shell starts a foreground command: a suite started in the background (`cmd &` in a
         # script) ignores SIGINT, and a process that starts with SIGINT ignored never sees Ctrl-C
