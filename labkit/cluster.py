@@ -12,6 +12,7 @@ the preset's links, memory counted against the card's.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -434,6 +435,9 @@ def _simulated_spec(spec: str, world_size: int) -> Cluster:
     return Cluster.preset(name, nodes=int(nodes) if nodes else -(-world_size // per_node)).simulated()
 
 
+# Once per process: a node's topology does not change while it runs, and labkit run -p resolves every lab's
+# machine before its kernels start (nvidia-smi takes a while each time)
+@functools.cache
 def _nvidia_smi_topo() -> str:
     exe = shutil.which("nvidia-smi")
     if not exe:
