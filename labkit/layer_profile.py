@@ -63,10 +63,11 @@ def _saved_bytes(
 
 
 def profile_layers(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 5
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, repeats: int = 5, warmup: int = 1
 ) -> list[LayerProfile]:
-    """Forward and backward cost (median of `repeats` training steps) and saved activations of each
-    layer of a GPT: "embedding" (token + position), "block i", and "head" (final norm, LM head, loss).
+    """Forward and backward cost (median of `repeats` training steps after `warmup` untimed ones) and saved
+    activations of each layer of a GPT: "embedding" (token + position), "block i", and "head" (final norm,
+    LM head, loss).
 
     Each layer is timed inside a whole forward and backward of the model, as a pipeline stage runs it:
     forward from clock readings between layers, backward from gradient hooks on the tensors between
@@ -77,6 +78,7 @@ def profile_layers(
     by layer count ignores. Gradients accumulate between repeats, as over a pipeline's micro-batches.
     """
     validate.positive_int("repeats", repeats, "profile_layers(model, x, y, repeats=5)")
+    validate.non_negative_int("warmup", warmup, "profile_layers(model, x, y, warmup=1)")
     for name in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head"):
         if not hasattr(model, name):
             raise TypeError(
@@ -104,7 +106,7 @@ def profile_layers(
     n = len(layers)
     fwd: list[list[float]] = [[] for _ in layers]
     bwd: list[list[float]] = [[] for _ in layers]
-    for _ in range(repeats + 1):  # the first step warms up
+    for _ in range(warmup + repeats):
         marks, ready = [clock()], [0.0] * n  # ready[i]: when the gradient of layer i's input was ready
         h = None
         for i, (_, layer) in enumerate(layers):
@@ -121,6 +123,6 @@ def profile_layers(
             bwd[i].append(done[k + 1] - done[k])
     model.zero_grad(set_to_none=True)
     return [
-        LayerProfile(name, statistics.median(f[1:]) * 1e3, statistics.median(b[1:]) * 1e3, nb)
+        LayerProfile(name, statistics.median(f[warmup:]) * 1e3, statistics.median(b[warmup:]) * 1e3, nb)
         for (name, _), f, b, nb in zip(layers, fwd, bwd, saved)
     ]

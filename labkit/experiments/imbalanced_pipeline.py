@@ -354,11 +354,14 @@ def layer_costs(
     config: GPTConfig, micro_batch: int, *, seed: int = 0, repeats: int = 5
 ) -> list[LayerProfile]:
     """On one rank: `profile_layers` of the seeded GPT on a micro-batch of `micro_batch` sequences,
-    on this rank's device (one thread on the emulated cluster, as every emulated GPU computes)."""
+    on this rank's device (one thread on the emulated cluster, as every emulated GPU computes). A simulated
+    GPU's step repeats exactly (each operator's modelled time), so there one pass is timed, unwarmed."""
     validate.positive_int("micro_batch", micro_batch, "layer_costs(config, micro_batch=2)")
     dev = runtime.device()
     model = seeded_model(config, seed, dev)
     x, y = synthetic_batch(config, micro_batch, seed=seed, device=dev)
+    if runtime.on_simulated():
+        return profile_layers(model, x, y, repeats=1, warmup=0)
     return profile_layers(model, x, y, repeats=repeats)
 
 
@@ -477,9 +480,13 @@ def headline(w: Where, p: Params) -> LabRecords:
         activation_bytes_per_sample=sum(layer.activation_bytes for layer in one) / stages,
     )
     # Every rank profiles (they share the machine as in the run); rank 0's costs, gathered, split on every
-    # rank.
+    # rank. Simulated GPUs share nothing and every one is the same: one rank profiles.
+    profiling = 1 if w.simulated else w.world_size
     costs = [
-        layer.ms for layer in w.launch(layer_costs, config, p.global_batch // m, timeout_s=p.timeout_s)[0]
+        layer.ms
+        for layer in w.launch(
+            layer_costs, config, p.global_batch // m, world_size=profiling, timeout_s=p.timeout_s
+        )[0]
     ]
     naive, balanced = even_split(config, stages), balance(costs, stages)
     plans = [PipelinePlan(naive, p.few_micro_batches), PipelinePlan(balanced, m)]

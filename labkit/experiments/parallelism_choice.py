@@ -364,6 +364,11 @@ class Params(LabParams):
     global_batch: int = param(32, "sequences per step, all replicas together", minimum=1)
     micro_batches: list[int] = param([4, 8], "micro-batch sizes the planner may choose", minimum=1)
     steps: int = param(2, "measured steps per layout (after one warm-up step)", minimum=1)
+    table_1: bool = param(
+        True,
+        "also run Narayanan et al.'s Table 1 rows on a simulated DGX A100 (section 7: 20 s on 2 cores; the "
+        "same on every cluster)",
+    )
 
     LAB = "01_parallelism_choice"
     NOTEBOOK_SIMULATED = True  # its gradients are checked on the emulated cluster, the layouts run there

@@ -11,6 +11,7 @@ from labkit import Cluster, launch
 from labkit.experiments.imbalanced_pipeline import (
     PipelinePlan,
     PipelineRankResult,
+    layer_costs,
     pipeline_steps,
     summarize_pipeline,
 )
@@ -95,3 +96,23 @@ def test_a_plan_is_checked_when_it_is_made():
         pipeline_steps(CONFIG, [])
     with pytest.raises(ValueError, match="needs the ranks' results"):
         summarize_pipeline([])
+
+
+def _warmed_and_unwarmed(config: GPTConfig) -> tuple[list[float], list[float]]:
+    from labkit import runtime
+    from labkit.layer_profile import profile_layers
+    from labkit.models import seeded_model, synthetic_batch
+
+    model = seeded_model(config, 0, runtime.device())
+    x, y = synthetic_batch(config, 4, seed=0, device=runtime.device())
+    warmed = profile_layers(model, x, y, repeats=3, warmup=1)
+    return [p.ms for p in warmed], [p.ms for p in layer_costs(config, 4)]
+
+
+def test_on_a_simulated_gpu_one_unwarmed_pass_gives_every_layers_cost():
+    """layer_costs times one pass there, unwarmed: a simulated step repeats exactly (each operator's modelled
+    time), so it is the median of warmed-up passes to the nanosecond, at a seventh of the work."""
+    config = GPTConfig(n_layers=2, d_model=256, n_heads=4, vocab_size=4096, seq_len=32)
+    node = Cluster.preset("dgx-h100").simulated()
+    warmed, one = launch(_warmed_and_unwarmed, config, world_size=1, cluster=node)[0]
+    assert one == pytest.approx(warmed, rel=1e-9) and all(ms > 0 for ms in one)
