@@ -67,6 +67,8 @@ class Cluster:
     sm_count: int | None = None  # described only: streaming multiprocessors per GPU (datasheet)
     memory_gb_s: float | None = None  # described only: HBM bandwidth per GPU, GB/s (datasheet)
     preset_name: str = ""  # described and simulated: the PRESETS name it came from
+    nics_per_node: int = 1  # network ports (rails) per node, each an inter_node link (labkit.links.Topology)
+    nvls_gb_s: float | None = None  # where the NVSwitch reduces (NVLS): a GPU's all-reduce rate through it
 
     # -- construction ----------------------------------------------------------
 
@@ -289,7 +291,9 @@ class Cluster:
         return "emulated" if self.is_emulated else "measured on GPU"
 
     def topology(self) -> Topology:
-        return Topology(max(1, self.gpus_per_node), self.intra_node, self.inter_node)
+        return Topology(
+            max(1, self.gpus_per_node), self.intra_node, self.inter_node, self.nics_per_node, self.nvls_gb_s
+        )
 
     def check_world_size(self, world_size: int) -> None:
         validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
@@ -330,11 +334,18 @@ class Cluster:
                 f"{self.gpu_name}, {memory} and {self.peak_tflops:g} TFLOP/s (dense 16-bit) "
                 "each"
             )
-            for what, link in (("intra-node", self.intra_node), ("inter-node", self.inter_node)):
-                lines.append(
-                    f"  {what} link: {link.bandwidth_gb_s:g} GB/s per GPU per direction, "
-                    f"{link.latency_us:g} µs ({link.name})"
-                )
+            nvls = ""
+            if self.nvls_gb_s:
+                nvls = f"; all-reduce through the switch (NVLS) {self.nvls_gb_s:g} GB/s per GPU"
+            lines.append(
+                f"  intra-node link: {self.intra_node.bandwidth_gb_s:g} GB/s per GPU per direction, "
+                f"{self.intra_node.latency_us:g} µs ({self.intra_node.name}){nvls}"
+            )
+            port = self.inter_node
+            lines.append(
+                f"  inter-node: {self.nics_per_node} port(s) per node of {port.bandwidth_gb_s:g} GB/s per "
+                f"direction, {port.latency_us:g} µs ({port.name})"
+            )
         elif self.is_emulated:
             lines.append(
                 f"Emulated cluster: {self.nodes} node(s) x {self.gpus_per_node} emulated GPU(s); "
@@ -403,22 +414,41 @@ class Cluster:
 # H200 SXM 132 SMs (the H100's GH100 die) and 4,800 GB/s (NVIDIA H100 and H200 datasheets).
 _NVLINK3 = Link(300.0, 5.0, "NVLink 3 + NVSwitch")
 _NVLINK4 = Link(450.0, 5.0, "NVLink 4 + NVSwitch")
-_HDR = Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s per GPU")
-_NDR = Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s per GPU")
+_HDR = Link(25.0, 10.0, "InfiniBand HDR 200 Gb/s")
+_NDR = Link(50.0, 10.0, "InfiniBand NDR 400 Gb/s")
+# Eight ports per DGX, one beside each GPU (the DGX A100 and DGX H100 user guides): the rails NCCL spreads a
+# collective's inter-node traffic over (labkit.links.Topology.rail_ring).
+_RAILS = 8
+# NVLink SHARP (NVLS) on H100 and H200 nodes: the third-generation NVSwitch reduces, so in an all-reduce each
+# GPU sends its buffer once and receives the result once. Fitted to one published figure: 476 GB/s bus
+# bandwidth, NCCL's default all-reduce on 8 H100s (nccl-tests issue 290, "in the expected range" by NCCL's
+# maintainer), that is 476 / (2 x 7/8) = 272 GB/s per GPU through the switch. Held out: ~480 GB/s on another
+# 8 x H100 node (nccl-tests issue 212) and ~470 GB/s on two such nodes over 8 x 400 Gb/s each (NVIDIA/nccl
+# issue 2409, citing nccl-tests issue 309); tests/test_links.py holds both. NCCL's own tuner assumes more
+# (nvlsEfficiency 0.85 of its NVLink figure, 18 x 20.6 GB/s, in src/graph/tuning.cc: 315 GB/s).
+_NVLS_H100_GB_S = 272.0
 
 
 def _dgx(
-    gpu_name: str, memory_gib: float, peak_tflops: float, sms: int, hbm_gb_s: float, nvlink: Link, ib: Link
+    gpu_name: str,
+    memory_gib: float,
+    peak_tflops: float,
+    sms: int,
+    hbm_gb_s: float,
+    nvlink: Link,
+    ib: Link,
+    nvls_gb_s: float | None = None,
 ) -> Cluster:
     """One DGX node: eight GPUs on NVSwitch, one InfiniBand port per GPU towards other nodes."""
     return Cluster("described", 1, 8, nvlink, ib, memory_gib=memory_gib, peak_tflops=peak_tflops,
-                   gpu_name=gpu_name, sm_count=sms, memory_gb_s=hbm_gb_s)
+                   gpu_name=gpu_name, sm_count=sms, memory_gb_s=hbm_gb_s, nics_per_node=_RAILS,
+                   nvls_gb_s=nvls_gb_s)
 
 
 PRESETS: dict[str, Cluster] = {
-    "dgx-a100-80gb": _dgx("A100-SXM4-80GB", 80.0, 312.0, 108, 2039.0, _NVLINK3, _HDR),
-    "dgx-h100": _dgx("H100-SXM5-80GB", 80.0, 989.0, 132, 3350.0, _NVLINK4, _NDR),
-    "dgx-h200": _dgx("H200-SXM-141GB", 141.0, 989.0, 132, 4800.0, _NVLINK4, _NDR),
+    "dgx-a100-80gb": _dgx("A100-SXM4-80GB", 80.0, 312.0, 108, 2039.0, _NVLINK3, _HDR),  # no NVLS: Hopper's
+    "dgx-h100": _dgx("H100-SXM5-80GB", 80.0, 989.0, 132, 3350.0, _NVLINK4, _NDR, _NVLS_H100_GB_S),
+    "dgx-h200": _dgx("H200-SXM-141GB", 141.0, 989.0, 132, 4800.0, _NVLINK4, _NDR, _NVLS_H100_GB_S),
 }
 
 

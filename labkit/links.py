@@ -12,10 +12,28 @@ The α-β model and the ring-algorithm step counts follow Thakur, Rabenseifner &
 "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), which is also
 what nccl-tests' bus-bandwidth factors assume
 (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+
+`Topology.collective_time_s` times a collective over a group of ranks as NCCL runs it, taking the
+fastest of the forms this model knows:
+
+* inside one node, a ring over the intra-node link, or, for an all-reduce where the NVSwitch reduces
+  (NVLink SHARP, "NVLS": H100 and H200 nodes), one pass through the switch: each GPU sends its buffer
+  once and receives the result once, at `nvls_gb_s`;
+* across nodes, rings over the rails: a node has `nics_per_node` network ports (a DGX, one per GPU),
+  NCCL runs one ring (channel) or more per port, so the data leaving a node is spread over
+  min(ports, the group's ranks on that node) of them and a ring reaches min(intra-node, ports x port)
+  bus bandwidth, where one flat ring over the slowest link reaches one port's;
+* across nodes with NVLS, NCCL's NVLS tree: reduce-scatter through the switch inside each node, an
+  all-reduce of each GPU's 1/g of the data over its own rail between the nodes, an all-gather
+  through the switch; NCCL pipelines the three, so the slowest part sets the time.
+
+NCCL's own tuner (src/graph/tuning.cc, ncclTopoTuneModel) picks among the same algorithms by the same
+kind of estimate; its per-channel caps and protocol choice are not modelled here.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from labkit import validate
@@ -105,11 +123,20 @@ def bus_bandwidth_factor(op: str, world_size: int) -> float:
 
 @dataclass(frozen=True)
 class Topology:
-    """Which global rank sits on which node, and the two link classes."""
+    """Which global rank sits on which node, the two link classes, and a node's way out: `nics_per_node`
+    network ports (rails), each an `inter_node` link. `nvls_gb_s`: where the NVSwitch reduces (NVLink
+    SHARP), what one GPU's buffer passes through it at in an all-reduce, GB/s (None: no NVLS)."""
 
     gpus_per_node: int
     intra_node: Link
     inter_node: Link
+    nics_per_node: int = 1
+    nvls_gb_s: float | None = None
+
+    def __post_init__(self) -> None:
+        validate.positive_int("nics_per_node", self.nics_per_node, "Topology(8, nvlink, ib, nics_per_node=8)")
+        if self.nvls_gb_s is not None:
+            validate.positive_number("nvls_gb_s", self.nvls_gb_s, "Topology(..., nvls_gb_s=272) or None")
 
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.gpus_per_node
@@ -119,16 +146,64 @@ class Topology:
         nodes = {self.node_of(r) for r in global_ranks}
         return self.inter_node if len(nodes) > 1 else self.intra_node
 
+    def rail_ring(self, global_ranks: list[int]) -> Link:
+        """The link a ring over these ranks runs at: inside one node the intra-node link; across nodes
+        min(intra-node, rails x one port), the rails being min(ports, the fewest ranks the group has on a
+        node), at the slower latency."""
+        per_node = Counter(self.node_of(r) for r in global_ranks)
+        if len(per_node) <= 1:
+            return self.intra_node
+        rails = min(self.nics_per_node, min(per_node.values()))
+        bandwidth = min(self.intra_node.bandwidth_gb_s, rails * self.inter_node.bandwidth_gb_s)
+        latency = max(self.intra_node.latency_us, self.inter_node.latency_us)
+        return Link(bandwidth, latency, f"{self.inter_node.name} x {rails} rail(s)")
+
+    def collective_time_s(self, op: str, nbytes: int, global_ranks: list[int], *, nvls: bool = True) -> float:
+        """Modelled seconds of `op` over these global ranks: the fastest form this model knows (module
+        docstring); `nvls=False` leaves NVLS out, as NCCL_NVLS_ENABLE=0 does. A point-to-point transfer
+        takes one link (across nodes, one port)."""
+        n = len(global_ranks)
+        if n <= 1:
+            return 0.0
+        if op in ("send", "recv"):
+            return collective_time_s(op, nbytes, 2, self.slowest_link(global_ranks))
+        seconds = collective_time_s(op, nbytes, n, self.rail_ring(global_ranks))
+        if op == "all_reduce" and nvls and self.nvls_gb_s is not None:
+            seconds = min(seconds, self._nvls_s(nbytes, global_ranks))
+        return seconds
+
+    def _nvls_s(self, nbytes: int, global_ranks: list[int]) -> float:
+        """An all-reduce through the NVSwitch (one node), or NCCL's NVLS tree across nodes: the switch's pass
+        and each GPU's share all-reduced over its rail, pipelined (the slower sets the time)."""
+        assert self.nvls_gb_s is not None
+        per_node = Counter(self.node_of(r) for r in global_ranks)
+        switch = self.intra_node.latency_us * 1e-6 + nbytes / (self.nvls_gb_s * 1e9)
+        if len(per_node) == 1:
+            return switch
+        g = min(per_node.values())
+        share = max(1, nbytes // g)  # each GPU's 1/g of the buffer goes out on its own rail
+        port = self.inter_node.bandwidth_gb_s * min(1.0, self.nics_per_node / g)
+        rail = collective_time_s("all_reduce", share, len(per_node), Link(port, self.inter_node.latency_us))
+        return max(switch, rail)
+
     def to_dict(self) -> dict:
         return {
             "gpus_per_node": self.gpus_per_node,
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
+            "nics_per_node": self.nics_per_node,
+            "nvls_gb_s": self.nvls_gb_s,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> Topology:
-        return cls(d["gpus_per_node"], Link(**d["intra_node"]), Link(**d["inter_node"]))
+        return cls(
+            d["gpus_per_node"],
+            Link(**d["intra_node"]),
+            Link(**d["inter_node"]),
+            d.get("nics_per_node", 1),
+            d.get("nvls_gb_s"),
+        )
 
 
 # ------------------------------------------------------- links scaled to this CPU

@@ -22,10 +22,11 @@ are several micro-batches) and predicts a step from four terms:
   parameters comes after the optimizer step and ZeRO-3's gathers are not overlapped here. Without it (a
   single all-reduce after backward, as lab 01's runs do) all of it is exposed.
 
-Collective times are `labkit.links.collective_time_s` (α-β, ring) on the cluster's links, so on the emulated
-cluster the planner and the emulator share one model; on a described cluster (`Cluster.preset`) compute is
-its peak FLOP/s times an efficiency, a stated assumption. `Plan.table()` ranks the layouts and gives each
-rejected one its reason (does not fit, does not divide, tp crosses nodes).
+Collective times are `labkit.links.collective_time_s` (α-β, ring) on the link each group's rings run at
+(`Topology.rail_ring`: across nodes, over as many of a node's network ports as the group has ranks
+there), so the planner and the emulated and simulated clusters share one model; on a described cluster
+(`Cluster.preset`) compute is its peak FLOP/s times an efficiency, a stated assumption. `Plan.table()`
+ranks the layouts and gives each rejected one its reason (does not fit, does not divide, tp crosses nodes).
 """
 
 from __future__ import annotations
@@ -329,7 +330,11 @@ def _predict(
         kernels = passes / 3 * KERNELS_PER_BLOCK * blocks + (KERNELS_PER_BLOCK / 3 if s == pp - 1 else 0)
         slots.append(max(work, kernels * rates.dispatch_s))
     compute = max(slots)
-    link = {k: (topo.inter_node if where == "inter" else topo.intra_node) for k, where in c.links.items()}
+    # each dimension's rings: inside a node its link, across nodes over the rails (labkit.links.Topology)
+    link = {
+        k: min((topo.rail_ring(g) for g in c.layout.groups_of(k)), key=lambda lk: lk.bandwidth_gb_s)
+        for k in c.links
+    }
     tp_s = pp_s = dp_s = 0.0
     if tp > 1:
         tp_s = tp_comm_s(

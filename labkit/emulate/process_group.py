@@ -75,7 +75,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         self._global_ranks = list(global_ranks)
         self._topology = topology
         self._timeout_s = timeout.total_seconds()
-        self._group_link = topology.slowest_link(self._global_ranks)
+        self._group_link = topology.rail_ring(self._global_ranks)  # what its rings run at
         self.record = CollectiveRecord(record_path)
         self.modelled_s = 0.0  # total modelled link time issued on this group
         self._group_name = ""
@@ -163,8 +163,10 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         virtual = self.timing.virtual
         with self.timing.clock.paused() if virtual else contextlib.nullcontext():  # bookkeeping, not compute
             seq = self.record.issued(op, tensors, peer)
-            n, link = (self.size(), self._group_link) if peer is None else (2, self.link_for(peer))
-            seconds = collective_time_s(op, nbytes, n, link)
+            if peer is None:  # rings over the rails across nodes; NVLS left out (NCCL_NVLS_ENABLE=0)
+                seconds = self._topology.collective_time_s(op, nbytes, self._global_ranks, nvls=False)
+            else:
+                seconds = collective_time_s(op, nbytes, 2, self.link_for(peer))
             self.modelled_s += seconds
             token = self.timing.issue(op, seconds, peer, f"{op} #{seq}", nbytes)
             data = tensors if result is None else [*tensors, *result]

@@ -71,7 +71,7 @@ def headline(w: Where, p: Params) -> LabRecords:
     rows = w.launch(bandwidth_test, sizes, iters=p.iters, timeout_s=p.timeout_s)[0]
     if w.emulated:
         assert isinstance(w.cluster, Cluster)
-        link = w.cluster.topology().slowest_link(list(range(w.world_size)))
+        link = w.cluster.topology().rail_ring(list(range(w.world_size)))
         limit = link.bandwidth_gb_s
         why = f"the simulated link's β ({link.name})" if w.simulated else "the emulated link's β"
     elif w.on_gpu and w.nodes == 1:

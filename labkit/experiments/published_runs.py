@@ -19,9 +19,9 @@ the row's blocks along the line through those two runs (the whole model's to flo
 is scaled by formulas, each said where it is used: the iteration's m = B / (dp · micro_batch) micro-batches
 are the first one's time plus m - 1 times the second's (each later micro-batch is the same work, accumulating
 into the gradients); the data-parallel all-reduce of the 16-bit gradients over the dp ranks is the links' α-β
-time (`labkit.links`), exposed after the backward pass as Megatron-LM's training step of the time ran it; the
-optimizer is Adam on fp32 master weights, simulated. Rows with pipeline parallelism (pp > 1) are not
-simulated here.
+time of rings over the nodes' eight 200 Gb/s rails (`labkit.links.Topology.rail_ring`), exposed after the
+backward pass as Megatron-LM's training step of the time ran it; the optimizer is Adam on fp32 master weights,
+simulated. Rows with pipeline parallelism (pp > 1) are not simulated here.
 """
 
 from __future__ import annotations
@@ -200,8 +200,8 @@ def simulate(
     kinds = {k.removesuffix("_s"): v * 1e3 for k, v in ranks[0].items() if k.endswith("_s")}
     kinds["tp"] = slowest["later"] * 1e3 - sum(kinds.values())  # the rest of the micro-batch: tp all-reduces
     nodes = Cluster.preset(preset, nodes=-(-run.gpus // node.gpus_per_node))
-    crossed = Layout(dp=run.dp, tp=run.tp).links_crossed(nodes.topology())
-    link = nodes.inter_node if crossed.get("dp") == "inter" else nodes.intra_node
+    dp_group = Layout(dp=run.dp, tp=run.tp).groups_of("dp")[0]  # across nodes: rings over the rails
+    link = nodes.topology().rail_ring(dp_group)
     dp_s = collective_time_s("all_reduce", int(ranks[0]["grad_bytes"]), run.dp, link) if run.dp > 1 else 0.0
     return SimulatedRun(
         run,
