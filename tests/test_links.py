@@ -169,6 +169,7 @@ def test_across_dgx_nodes_the_rails_carry_eight_times_one_port():
     assert _busbw_gb_s(two_nodes, 2**33, 16) > rings
     # two ranks per node use two rails: 100 GB/s; a transfer between nodes takes one port
     assert two_nodes.rail_ring([0, 1, 8, 9]).bandwidth_gb_s == 100
+    assert two_nodes.rail_ring(list(range(4, 12))).bandwidth_gb_s == 200  # lab 01's tp over 4 + 4 GPUs
     assert two_nodes.collective_time_s("send", 10**9, [0, 8]) == pytest.approx(10e-6 + 10**9 / 50e9)
 
 
