@@ -182,3 +182,13 @@ def test_a_warmed_heap_serves_fresh_tensors_without_page_faults():
         _faults_of_fresh_tensors, True, world_size=1, cluster=Cluster.emulated(gpus_per_node=1, clock="wall")
     )
     assert wall[0] == (False, wall[0][1])
+
+
+def test_a_simulated_rank_does_not_warm_its_heap(monkeypatch):
+    """A simulated machine's clock counts each operator's modelled time, never the host's page faults: paging
+    256 MiB in on each of its ranks would only cost CPU (3 % of a profile of lab 05's simulated script)."""
+    from labkit import runtime
+
+    monkeypatch.setenv(runtime.CLUSTER_ENV, Cluster.preset("dgx-h100").simulated().to_json())
+    assert runtime.on_virtual_clock() and runtime.on_simulated()
+    assert runtime.warm_heap(1) is False
