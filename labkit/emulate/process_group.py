@@ -75,7 +75,6 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         self._global_ranks = list(global_ranks)
         self._topology = topology
         self._timeout_s = timeout.total_seconds()
-        self._group_link = topology.rail_ring(self._global_ranks)  # what its rings run at
         self.record = CollectiveRecord(record_path)
         self.modelled_s = 0.0  # total modelled link time issued on this group
         self._group_name = ""
@@ -112,9 +111,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def topology(self) -> Topology:
         return self._topology
 
-    def link_for(self, peer: int | None = None) -> Link:
-        if peer is None:
-            return self._group_link
+    def link_for(self, peer: int) -> Link:
+        """The link a point-to-point transfer to `peer` takes (across nodes, one port)."""
         return self._topology.slowest_link([self._global_ranks[self.rank()], self._global_ranks[peer]])
 
     @staticmethod
