@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ __all__ = [
     "graph_task_id",
     "in_backward",
     "is_fake",
+    "is_wrapper_subclass",
     "problems",
     "process_groups",
     "queue_backward_callback",
@@ -50,10 +51,12 @@ __all__ = [
     "real_warmup_vote",
     "reduce_scatter_base",
     "removing_module_grad_hooks",
+    "report_storage_resizes",
     "set_cuda_allocator_settings",
     "step_mem_tracker",
     "tree_leaves",
     "tree_map",
+    "unwrapped",
 ]
 
 KNOWN_GOOD = "2.13.0, 2.14.1"
@@ -257,6 +260,22 @@ def real_tensors() -> Any:
     return unset_fake_temporarily()
 
 
+def report_storage_resizes(report: Callable[[Any, int], None]) -> None:
+    """In this process, call `report(storage, nbytes)` after every `UntypedStorage.resize_`: a resize changes
+    the memory a storage holds without any operator that a TorchDispatchMode sees (FSDP2 frees and refills its
+    unsharded parameters so). Once per process; a later call replaces `report`."""
+    current = torch.UntypedStorage.resize_
+    original = getattr(current, "_labkit_original", current)
+
+    def resize_and_report(self: Any, nbytes: int) -> Any:
+        out = original(self, nbytes)
+        report(self, self.nbytes())
+        return out
+
+    resize_and_report._labkit_original = original  # type: ignore[attr-defined]
+    torch.UntypedStorage.resize_ = resize_and_report  # type: ignore[method-assign]
+
+
 def real_warmup_vote(schedule: Any) -> None:
     """Make `schedule`'s P2P warm-up (torch.distributed.pipelining: each stage votes with a one-element tensor
     sent to the next, and the result's `.item()` picks the schedule's inference mode) run on real tensors,
@@ -307,6 +326,28 @@ def is_fake(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def is_wrapper_subclass(t: Any) -> bool:
+    """Is `t` a tensor subclass that wraps other tensors (a DTensor: FSDP2's sharded parameters and their
+    gradients)? Its storage holds no memory of its own (its size is the global shape's), and its operators run
+    as operators on the tensors inside. Such subclasses declare `__tensor_flatten__` (torch's protocol for
+    traceable wrapper subclasses)."""
+    return isinstance(t, torch.Tensor) and hasattr(type(t), "__tensor_flatten__")
+
+
+def unwrapped(tree: Any) -> Any:
+    """`tree` with each wrapper subclass (`is_wrapper_subclass`) replaced by the tensor inside it (a tuple
+    of them when it holds several), by the subclass protocol's `__tensor_flatten__`."""
+
+    def inner(t: Any) -> Any:
+        if not is_wrapper_subclass(t):
+            return t
+        names, _ = t.__tensor_flatten__()
+        tensors = tuple(getattr(t, name) for name in names)
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    return tree_map(inner, tree)
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:

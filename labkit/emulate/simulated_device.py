@@ -17,7 +17,9 @@ dispatches:
   Views and metadata (a `view`, a `transpose`, `detach`) and allocations launch no kernel and cost nothing;
 * counts the bytes of every new storage until it is freed, and raises `torch.OutOfMemoryError` past the
   card's memory, shaped like the CUDA allocator's message (tensor bytes only: no allocator rounding,
-  fragmentation or CUDA context, which the message says).
+  fragmentation or CUDA context, which the message says). A storage resized in place (FSDP2 frees and
+  refills its gathered parameters so) holds its new size (`resized`). An operator on a DTensor (FSDP2's
+  sharded parameters) is timed and counted on the local shards inside it.
 
 What it cannot show: numerics (values are not computed: the emulated cluster checks gradients at small
 size), kernels competing for SMs, cache effects, and an allocator's rounding. Every number made with it is
@@ -127,6 +129,7 @@ class SimulatedDevice(compat.TorchDispatchMode):
         self.allocated = 0
         self.peak = 0
         self._live: dict[int, int] = {}  # id of a live storage -> its bytes
+        compat.report_storage_resizes(_storage_resized)
         self._host_s = 0.0  # when the host will have issued every operator so far, on the device's timeline
         self._device_s = 0.0  # the device's time without a clock (one process, no rank)
 
@@ -191,23 +194,45 @@ class SimulatedDevice(compat.TorchDispatchMode):
         key, size = id(storage), storage.nbytes()
         if key in self._live or size == 0:
             return
-        if self.allocated + size > self.limit_bytes:
+        self._grow(size)
+        self._live[key] = size
+        weakref.finalize(storage, self._release, key)
+
+    def _grow(self, nbytes: int) -> None:
+        """`nbytes` more are live, or the card's out-of-memory error."""
+        if self.allocated + nbytes > self.limit_bytes:
             raise torch.OutOfMemoryError(
-                f"{self.gpu.name} out of memory (simulated). Tried to allocate {_fmt(size)}. "
+                f"{self.gpu.name} out of memory (simulated). Tried to allocate {_fmt(nbytes)}. "
                 f"Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of which "
                 f"{_fmt(self.limit_bytes - self.allocated)} is free. {_fmt(self.allocated)} is allocated by "
                 "live tensors (tensor bytes only: no allocator rounding, fragmentation or CUDA context). "
                 "Reduce the micro-batch, accumulate gradients, use bf16 or activation checkpointing; see "
                 "labkit.memory.estimate."
             )
-        self._live[key] = size
-        self.allocated += size
+        self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
-        weakref.finalize(storage, self._release, key, size)
 
-    def _release(self, key: int, size: int) -> None:
-        if self._live.pop(key, None) is not None:
+    def _release(self, key: int) -> None:
+        size = self._live.pop(key, None)
+        if size is not None:
             self.allocated -= size
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """`storage` now holds `nbytes`. FSDP2 frees an unsharded parameter's memory and takes it back this
+        way (`free_storage` / `alloc_storage`: `untyped_storage().resize_`, which no operator dispatch sees),
+        keeping the tensor."""
+        key = id(storage)
+        if key not in self._live:
+            if nbytes:
+                self._grow(nbytes)
+                self._live[key] = nbytes
+                weakref.finalize(storage, self._release, key)
+            return
+        if nbytes > self._live[key]:
+            self._grow(nbytes - self._live[key])
+        else:
+            self.allocated -= self._live[key] - nbytes
+        self._live[key] = nbytes
 
     def track(self, *objs: object) -> None:
         """Count tensors, modules (parameters and buffers) or optimizers made before the device."""
@@ -246,15 +271,26 @@ class SimulatedDevice(compat.TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace in _NO_KERNEL:
             return out
-        for t in _tensors(out):  # a new storage is counted, whatever made it (a view's is its base's)
+        seen = (args, kwargs, out)
+        if any(compat.is_wrapper_subclass(t) for t in _tensors(seen)):
+            # A DTensor's operator (FSDP2's sharded parameters, their gradients, the optimizer on them) runs
+            # on the local tensors inside, below this mode: time and count those, not the wrapper, whose own
+            # storage is the global shape's and holds no memory.
+            seen = compat.unwrapped(seen)
+        for t in _tensors(seen[2]):  # a new storage is counted, whatever made it (a view's is its base's)
             self._count(t)
         if func.is_view or func.overloadpacket in _FREE:
             return out
-        kind, seconds, flops = self.op_seconds(func, args, kwargs, out)
+        kind, seconds, flops = self.op_seconds(func, *seen)
         self.times.ops[kind] += 1
         self.times.flops += flops
         self._run(kind, seconds)
         return out
+
+
+def _storage_resized(storage: torch.UntypedStorage, nbytes: int) -> None:
+    if (device := active_simulated_device()) is not None:
+        device.resized(storage, nbytes)
 
 
 def active_simulated_device() -> SimulatedDevice | None:

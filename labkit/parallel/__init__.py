@@ -4,6 +4,9 @@
   all-reduce from gradient hooks) and gradient accumulation with `no_sync`;
 * `pipeline.py`: pipeline parallelism, a GPT cut into stages of consecutive layers and run by
   `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B);
+* `fsdp.py`: fully sharded data parallelism (ZeRO-3) with torch's FSDP2, one `fully_shard` per block
+  (import it from its module: torch.distributed.fsdp takes 0.8 s to import, which ranks that do not shard
+  should not pay);
 * `tensor.py`: tensor parallelism in the Megatron style (f and g, column- and row-parallel layers);
 * `groups.py`: how they combine: each rank's dp, tp and pp groups under a `labkit.layout.Layout`.
 """
@@ -28,6 +31,7 @@ __all__ = [
     "accumulate_without_no_sync",
     "allreduce_gradients_naive",
     "even_split",
+
     "layer_names",
     "make_groups",
     "make_schedule",

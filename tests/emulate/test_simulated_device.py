@@ -127,3 +127,38 @@ def test_a_simulated_device_needs_a_modelled_clock():
         SimulatedDevice(H100, VirtualClock())
     with pytest.raises(RuntimeError, match="modelled clock"):
         VirtualClock().spend(1.0)
+
+
+def test_a_storage_resized_in_place_frees_and_takes_back_its_bytes():
+    # FSDP2 frees a gathered parameter so (free_storage / alloc_storage), keeping the tensor
+    with compat.fake_tensor_mode(), SimulatedDevice(H100) as dev:
+        t = torch.zeros(64, 2**20, dtype=torch.bfloat16)  # 128 MiB
+        t.untyped_storage().resize_(0)
+        assert dev.allocated == 0 and dev.peak == 128 * 2**20
+        t.untyped_storage().resize_(256 * 2**20)
+        assert dev.allocated == 256 * 2**20 == dev.peak
+        with dev.limited(0), pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 256"):
+            t.untyped_storage().resize_(512 * 2**20)
+        del t
+        assert dev.allocated == 0
+
+
+def test_a_dtensor_costs_its_local_shard_not_its_global_shape():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        with compat.fake_tensor_mode(), SimulatedDevice(H100) as dev:
+            local = torch.zeros(1024, 1024)  # 4 MiB: this rank's quarter of a 4096 x 1024 parameter
+            d = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=(4096, 1024), stride=(1024, 1)
+            )
+            e = d * 2  # one kernel over the local 4 MiB, into a new local 4 MiB
+            assert isinstance(e, DTensor) and e.shape == (4096, 1024)
+            assert dev.allocated == 8 * 2**20  # not the wrappers' 16 MiB each
+            assert dev.times.ops["other"] == 2  # zeros and the product
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,98 @@
+"""labkit.parallel.fsdp: FSDP2 (`fully_shard`) trains the lab GPT on the emulated cluster with one process's
+gradients and after-step weights, and on a simulated DGX H100 runs a model that plain data parallelism cannot
+hold, at the peak memory `labkit.memory.estimate(zero_stage=3)` predicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit import Cluster, device_memory, launch, memory
+from labkit.links import Link
+from labkit.models import GPTConfig, gpt_in, seeded_model, synthetic_batch
+from labkit.parallel.fsdp import full_gradients, fully_sharded
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8)
+BATCH = 2
+# 5.5 billion parameters: 16 bytes each with mixed-precision Adam is 88 GB, more than an 80 GB H100 holds
+LARGE = GPTConfig(n_layers=16, d_model=5120, n_heads=40, vocab_size=50304, seq_len=2048)
+
+
+def _emulated(n: int) -> Cluster:
+    link = Link(bandwidth_gb_s=1.0, latency_us=20)
+    return Cluster.emulated(gpus_per_node=n, intra_node=link, inter_node=link)
+
+
+def _fsdp_step(config: GPTConfig) -> dict:
+    """On a rank: the seeded model sharded, one step on this rank's batch, the whole gradients and weights."""
+    model = fully_sharded(seeded_model(config), None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = synthetic_batch(config, BATCH, seed=dist.get_rank())
+    loss = model(x, y)
+    loss.backward()
+    grads = full_gradients(model)
+    opt.step()
+    weights = {n: p.full_tensor() for n, p in model.named_parameters()}
+    sharded = {n: (p.to_local().numel(), p.numel()) for n, p in model.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "weights": weights, "sharded": sharded}
+
+
+def test_fully_sharded_gradients_equal_one_process_on_the_emulated_cluster() -> None:
+    world = 2
+    ranks = launch(_fsdp_step, SMALL, world_size=world, cluster=_emulated(world))
+    # One process on the ranks' batches together: the mean loss, its gradients, one SGD step (not Adam: its
+    # first step divides by |g| and turns rounding on near-zero gradients into whole steps).
+    model = seeded_model(SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [synthetic_batch(SMALL, BATCH, seed=r) for r in range(world)]
+    x, y = (torch.cat(parts) for parts in zip(*batches))
+    model(x, y).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    for r in ranks:
+        assert set(r["grads"]) == set(grads)
+        for name, g in grads.items():
+            torch.testing.assert_close(r["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(r["weights"][name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    # Each rank holds half of every parameter with at least two rows (a shard of dim 0, padded when odd).
+    shards = ranks[0]["sharded"]
+    assert shards["blocks.0.mlp.fc.weight"] == (SMALL.ffn_dim * SMALL.d_model // world, SMALL.ffn_dim * 32)
+
+
+def _large_step(config: GPTConfig, plain: bool) -> dict:
+    """On a simulated H100: the model in fp32 (the master weights), FSDP2 with bf16 compute and fp32 reduction
+    or (`plain`) every rank holding everything; two steps of Adam; the second step's peak."""
+    model = gpt_in(config, torch.float32, checkpointing=True)
+    if not plain:
+        fully_sharded(model, None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)  # what torch.optim picks for CUDA tensors
+    x = torch.zeros(1, config.seq_len, dtype=torch.long)
+    try:
+        for _ in range(2):  # the first step makes Adam's states
+            device_memory.reset_peak_memory_stats()
+            model(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+    except torch.OutOfMemoryError as e:
+        return {"oom": str(e)}
+    peak = device_memory.peak_bytes()
+    return {"peak": peak[0] if peak else 0}
+
+
+def test_fsdp_runs_a_model_plain_data_parallelism_cannot_hold_on_a_simulated_h100() -> None:
+    sim = Cluster.preset("dgx-h100").simulated()
+    world = 2
+    plain = memory.estimate(model=LARGE, dp=world, zero_stage=0, checkpointing=True, foreach=True)
+    assert plain.params + plain.grads + plain.optimizer > 80 * 2**30  # states alone do not fit
+    sharded = launch(_large_step, LARGE, False, world_size=world, cluster=sim, timeout_s=120)
+    predicted = memory.estimate(model=LARGE, dp=world, zero_stage=3, checkpointing=True, foreach=True)
+    for r in sharded:
+        assert "oom" not in r, r
+        # the peak is the optimizer step's (states, gradients, for-each temporaries: all sharded)
+        assert abs(r["peak"] / predicted.peak - 1) < 0.10, (r["peak"] / 2**30, predicted.peak / 2**30)
+    (oom, *_) = launch(_large_step, LARGE, True, world_size=1, cluster=sim, timeout_s=120)
+    assert "out of memory" in oom["oom"]
