@@ -56,6 +56,7 @@ __all__ = [
     "step_mem_tracker",
     "tree_leaves",
     "tree_map",
+    "unshard_asynchronously",
     "unwrapped",
 ]
 
@@ -105,6 +106,13 @@ INTERNALS: tuple[Internal, ...] = (
         "torch._subclasses.fake_tensor",
         "unset_fake_temporarily",
         "training.trainer: a DataLoader draws its base seed with .item(), which a FakeTensor cannot give",
+    ),
+    Internal(
+        "torch.distributed.fsdp",
+        "FSDPModule._set_unshard_async_op",
+        "parallel.fsdp on CPU ranks: the all-gathers of FSDP2's prefetching are issued asynchronously, as a "
+        "GPU's all-gather stream runs them, so that they overlap the current block on the virtual clock",
+        ("self", "async_op"),
     ),
     Internal(
         "torch.distributed.pipelining.schedules",
@@ -274,6 +282,13 @@ def report_storage_resizes(report: Callable[[Any, int], None]) -> None:
 
     resize_and_report._labkit_original = original  # type: ignore[attr-defined]
     torch.UntypedStorage.resize_ = resize_and_report  # type: ignore[method-assign]
+
+
+def unshard_asynchronously(module: Any) -> None:
+    """Make FSDP2 issue `module`'s (and its FSDP submodules') all-gathers with `async_op=True`: a rank
+    without CUDA streams then runs on while they complete, which explicit prefetching needs to overlap them
+    (torch's docstring of `FSDPModule._set_unshard_async_op`)."""
+    module._set_unshard_async_op(True)
 
 
 def real_warmup_vote(schedule: Any) -> None:

@@ -8,13 +8,16 @@ those shares back together into the measured times, and where the model stops ho
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from labkit import op_time
 from labkit.cluster import Cluster
 from labkit.op_time import DISPATCH_S, GpuSpec, attention_flops, matmul_s, memory_s, op_s
 
-H200 = Cluster.preset("dgx-h200").gpu_spec()
+# The kernels as the device check timed them, one at a time: no training step's sustained share
+H200 = replace(Cluster.preset("dgx-h200").gpu_spec(), sustained=1.0)
 
 
 def test_a_large_gemm_takes_what_the_h200_measured():
@@ -86,3 +89,13 @@ def test_the_presets_describe_their_gpus():
     assert op_time.FP32_PEAK_TFLOPS["H100"] == Cluster.preset("dgx-h100").gpu_spec().fp32_tflops
     with pytest.raises(ValueError, match="no described GPU"):
         Cluster.emulated(gpus_per_node=2).gpu_spec()
+
+
+def test_a_training_step_keeps_the_fitted_share_of_isolated_kernel_speed():
+    step = Cluster.preset("dgx-h200").gpu_spec()
+    assert step.sustained == op_time.SUSTAINED
+    nbytes = 2 * 16384 * 4096 * 2
+    isolated = op_time.kernel_s(H200, nbytes=nbytes)
+    assert op_time.kernel_s(step, nbytes=nbytes) == pytest.approx(isolated / op_time.SUSTAINED)
+    with pytest.raises(ValueError, match="sustained"):
+        replace(step, sustained=1.2)

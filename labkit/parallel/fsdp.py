@@ -60,11 +60,29 @@ def fully_sharded(
     device_type = next(model.parameters()).device.type
     mesh = _mesh(group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in model.blocks:
+    blocks = list(model.blocks)
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root (embeddings, ln_f, head): FSDP2 keeps it gathered from forward to backward, which starts there.
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if device_type != "cuda":
+        _prefetch_one_block_ahead(blocks, model)
     return model
+
+
+def _prefetch_one_block_ahead(blocks: list[nn.Module], model: nn.Module) -> None:
+    """On a GPU the next block's all-gather runs on FSDP2's own stream under this block's compute, because the
+    CPU issues it ahead (implicit prefetching). A rank without CUDA streams (emulated, simulated) would wait
+    for each gather where it is issued, every byte exposed. Asked for one block ahead, forward and backward,
+    with asynchronous all-gathers, it overlaps them as the GPU does (FSDP2's explicit prefetching). Its
+    reduce-scatters stay synchronous there: FSDP2 has no asynchronous form of them, so on CPU ranks each
+    block's gradient reduction is exposed, where a GPU overlaps it with the next block's backward."""
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    compat.unshard_asynchronously(model)
 
 
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:

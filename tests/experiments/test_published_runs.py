@@ -27,12 +27,13 @@ def test_the_flop_count_is_the_papers_equation_3():
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_row_simulated_on_a_dgx_a100_lands_near_the_paper(index):
-    """1.7B (tp 1) and 3.6B (tp 2): the simulated teraFLOP/s per GPU within a factor of 1.5 of the paper's
-    (1.48 and 1.23 times when written, the data-parallel all-reduce over eight rails; lab 01 says where and
-    why it is off), the parts add up, and tensor parallelism's all-reduces appear only with tp > 1."""
+    """1.7B (tp 1) and 3.6B (tp 2), held out from the simulated GPU's one fitted share (op_time.SUSTAINED,
+    fitted on H100 FSDP runs): the simulated teraFLOP/s per GPU within 0.75-1.33 of the paper's (1.23 and
+    1.03 when written; 1.48 and 1.23 with isolated kernels' speed; lab 01 says where and why it is off), the
+    parts add up, and tensor parallelism's all-reduces appear only with tp > 1."""
     run = TABLE_1[index]
     result = simulate(run)
-    assert 1 / 1.5 < result.ratio < 1.5
+    assert 0.75 < result.ratio < 1.33
     assert result.label == "simulated A100-SXM4-80GB"
     assert result.micro_batches == run.batch // run.dp
     assert result.iteration_ms == pytest.approx(
