@@ -241,7 +241,8 @@ class GPT(nn.Module):
     """GPT-style decoder: ``tok_emb``, ``pos_emb``, ``blocks``, ``ln_f``, ``lm_head``.
 
     ``forward(idx)`` returns logits (batch, seq, vocab); ``forward(idx, targets)`` returns the
-    mean cross-entropy loss (a scalar). Weights come from torch's global RNG, so
+    mean cross-entropy loss (a scalar, by ``criterion``; ``labkit.parallel.vocab`` splits logits and
+    loss over ranks). Weights come from torch's global RNG, so
     ``torch.manual_seed(s); GPT(config)`` is deterministic.
 
     Set ``checkpointing=True`` (argument or attribute) for full activation recomputation
@@ -260,6 +261,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # The loss as a module: vocabulary parallelism swaps in one for logits split over ranks
+        self.criterion: nn.Module = nn.CrossEntropyLoss()
         if config.tie_embeddings:
             # Input and output embeddings share one matrix (Press & Wolf 2017; GPT-2).
             self.lm_head.weight = self.tok_emb.weight
@@ -307,7 +310,7 @@ class GPT(nn.Module):
                 f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}; "
                 f"targets are the next tokens, one per input token"
             )
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.criterion(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _divisors(n: int) -> str:

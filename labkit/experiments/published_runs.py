@@ -38,6 +38,7 @@ from labkit.layout import Layout
 from labkit.links import collective_time_s
 from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.tensor import tensor_parallel
+from labkit.parallel.vocab import vocab_parallel
 
 __all__ = ["TABLE_1", "PublishedRun", "SimulatedRun", "megatron_flops", "simulate", "table"]
 
@@ -130,6 +131,7 @@ def _replica(config: GPTConfig, micro_batch: int) -> dict[str, float]:
     model = gpt_in(config, torch.bfloat16, checkpointing=True)  # 16-bit, like the paper's fp16
     if dist.get_world_size() > 1:
         tensor_parallel(model, None)
+        vocab_parallel(model, None)  # Megatron-LM splits the embedding, head and loss over the vocabulary
     params = list(model.parameters())
     master = [torch.empty(p.shape, dtype=torch.float32) for p in params]  # fp32 master weights
     opt = torch.optim.Adam(master, fused=True)  # one kernel per step, as apex's FusedAdam in Megatron-LM

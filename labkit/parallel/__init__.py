@@ -8,6 +8,7 @@
   (import it from its module: torch.distributed.fsdp takes 0.8 s to import, which ranks that do not shard
   should not pay);
 * `tensor.py`: tensor parallelism in the Megatron style (f and g, column- and row-parallel layers);
+* `vocab.py`: the embedding, LM head and loss split along the vocabulary over the tp group;
 * `groups.py`: how they combine: each rank's dp, tp and pp groups under a `labkit.layout.Layout`.
 """
 

@@ -11,12 +11,12 @@ block costs exactly two all-reduces forward and two backward. `tensor_parallel` 
 in place; `check_tp_size` says which sizes a config allows; `shard_state` is the one slicing rule
 (the layers use it too), for comparing with a single process.
 
-Not done here: vocabulary-parallel embedding and LM head (section 3's split of the output
-embedding) and sequence parallelism (Korthikanti et al. 2022). The embeddings, every LayerNorm
-and the head stay replicated on every TP rank; they see the same input, so their gradients are
-already equal on every rank and need no extra communication. Every rank must start from the same
+The embeddings, every LayerNorm and the head stay replicated on every TP rank here; they see the same
+input, so their gradients are already equal on every rank and need no extra communication.
+`vocab.py` splits the embedding, the head and the loss along the vocabulary (section 3's split of the output
+embedding). Not done: sequence parallelism (Korthikanti et al. 2022). Every rank must start from the same
 full model (e.g. `labkit.models.seeded_model`). The process group is always passed
-explicitly (None: the default group); nothing is global. Neighbours: `data.py`, `pipeline.py`.
+explicitly (None: the default group); nothing is global. Neighbours: `vocab.py`, `data.py`, `pipeline.py`.
 """
 
 from __future__ import annotations
@@ -186,10 +186,11 @@ def _block_rule(config: GPTConfig) -> dict[str, tuple[int, list[int] | None]]:
 
 
 def shard_state(
-    tensors: Mapping[str, torch.Tensor], config: GPTConfig, rank: int, tp: int
+    tensors: Mapping[str, torch.Tensor], config: GPTConfig, rank: int, tp: int, *, vocab: bool = False
 ) -> dict[str, torch.Tensor]:
     """This rank's part of each of a full GPT's tensors by name (parameters or their gradients,
-    names as in `named_parameters()`): what `tensor_parallel` keeps on TP rank `rank` of `tp`."""
+    names as in `named_parameters()`): what `tensor_parallel` keeps on TP rank `rank` of `tp`, and with
+    `vocab` what `labkit.parallel.vocab.vocab_parallel` keeps too (the embedding's and head's rows)."""
     rule = _block_rule(config)
     out = {}
     for name, t in tensors.items():
@@ -197,6 +198,8 @@ def shard_state(
         if suffix in rule:
             dim, sections = rule[suffix]
             out[name] = shard(t, rank, tp, dim, sections)
+        elif vocab and name in ("tok_emb.weight", "lm_head.weight"):
+            out[name] = shard(t, rank, tp, 0)
         else:
             out[name] = t
     return out
