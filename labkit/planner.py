@@ -516,6 +516,9 @@ def _best_option(
             tp=layout.tp,
             pp=layout.pp,
             micro_batches=m,
+            # torch.optim's for-each Adam on CUDA tensors (a GPU, described or simulated): one more copy of
+            # the optimizer state during the step (estimate's docstring); a loop on the emulated cluster's
+            foreach=cluster.kind != "emulated",
         )
         _predict(c, config, cluster, seq, rates, precision, dp_overlap)
         if smallest is None or c.memory.peak < smallest.memory.peak:
