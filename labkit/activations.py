@@ -70,6 +70,22 @@ class GPTActivations:
     first_block_share: float  # share of the parameters in embeddings + first block
 
 
+def _llama_block_bytes(config: GPTConfig, act: int, resid: int, tp: int) -> int:
+    """Bytes per token a llama block saves (`labkit.models`: RMSNorm, rotary, SwiGLU), counted as autograd
+    keeps them: each RMSNorm (torch's composite: x * rsqrt(mean(x^2) + eps) * weight) its input, its
+    normalised input (for the weight's gradient) and an fp32 rstd, and the matmul after it its output; q/k/v
+    (their views keep the whole qkv output), rotary's rotated halves of q and k and the rotated q and k
+    (SDPA's inputs; with grouped-query attention k and v repeated to n_heads), the attention output;
+    SwiGLU's [gate | up] (its views keep it whole), silu(gate) and the product."""
+    h, f = config.d_model, config.ffn_dim
+    kv_dim = config.kv_heads * config.head_dim
+    norms = 2 * (2 * h * resid + h * act + 4)
+    k_v = 2 * h if kv_dim != h else kv_dim  # SDPA's k and v: repeated to n_heads, or k rotated (v is a view)
+    attention = (h + 2 * kv_dim) + (h + kv_dim) + h + k_v + h
+    mlp = 4 * f
+    return norms + (attention + mlp) * act // tp + config.n_heads // tp * 4
+
+
 def gpt_activations(
     config: GPTConfig, micro_batch: int, seq_len: int, precision: str, tp: int = 1
 ) -> GPTActivations:
@@ -93,13 +109,15 @@ def gpt_activations(
         + (qkv + h + 2 * f) * act // tp  # ln outputs, q/k/v, attention output, fc, GELU
         + (4 + config.n_heads // tp) * 4  # fp32 LayerNorm mean/rstd (2 x 2) and attention logsumexp
     )
+    if config.block == "llama":
+        per_block = tokens * _llama_block_bytes(config, act, resid, tp)
     head = tokens * (h * resid + h * act + 2 * 4 + v * softmax)
     if precision == "autocast":
         # autocast saves the 16-bit copies of the Linear weights it made for the matmuls.
         per_block += 2 * (h * (h + 2 * kv_dim) + h * h + 2 * h * f) // tp
         head += 2 * v * h
     one_block = replace(config, n_layers=2).num_params() - replace(config, n_layers=1).num_params()
-    embeddings = (v + config.seq_len) * h
+    embeddings = (v + (config.seq_len if config.block == "gpt2" else 0)) * h
     return GPTActivations(
         per_block=per_block,
         block_input=tokens * h * resid,

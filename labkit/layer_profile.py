@@ -85,10 +85,9 @@ def profile_layers(
                 f"profile_layers needs a labkit.models.GPT (no .{name} on {type(model).__name__})"
             )
     clock = timer.clock
-    pos = torch.arange(x.shape[1], device=x.device)
 
     def embedding(_: torch.Tensor | None) -> torch.Tensor:
-        return model.tok_emb(x) + model.pos_emb(pos)
+        return model.embed(x)
 
     def head(h: torch.Tensor) -> torch.Tensor:
         logits = model.lm_head(model.ln_f(h))

@@ -342,18 +342,28 @@ def stage_params(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) ->
     d, v = config.d_model, config.vocab_size
     n = blocks_per_stage(config, pp)[stage] * _block_params(config, tp)
     if stage == 0:
-        n += (v + config.seq_len) * d
+        n += _embedding_params(config)
     if stage == pp - 1:
         # A tied head shares the embedding's matrix only when both are on one rank; a pipeline's
         # last stage keeps its own copy (Megatron-LM does the same and all-reduces the two gradients).
-        n += 2 * d + (0 if config.tie_embeddings and pp == 1 else v * d)
+        final_norm = 2 * d if config.block == "gpt2" else d  # LayerNorm's weight and bias; RMSNorm's weight
+        n += final_norm + (0 if config.tie_embeddings and pp == 1 else v * d)
     return n
+
+
+def _embedding_params(config: GPTConfig) -> int:
+    """The token table, and the learned position table of a GPT-2 block's model (a llama's are rotary)."""
+    positions = config.seq_len if config.block == "gpt2" else 0
+    return (config.vocab_size + positions) * config.d_model
 
 
 def _block_params(config: GPTConfig, tp: int) -> int:
     """One block's parameters on one of `tp` ranks."""
     d, f = config.d_model, config.ffn_dim
     qkv = d + 2 * config.kv_heads * config.head_dim
+    if config.block == "llama":
+        # no biases; SwiGLU's gate, up and down matrices split; RMSNorm weights whole on every rank
+        return 2 * d + (d * qkv + d * d + 3 * d * f) // tp
     # Column-parallel qkv and fc split weight and bias; row-parallel projections split the weight
     # and keep the bias whole (added after the all-reduce); LayerNorms are whole on every rank.
     return 4 * d + (d * qkv + qkv + d * d + d * f + f + f * d) // tp + 2 * d
@@ -472,7 +482,7 @@ def _activations(
     if (tp, blocks) != (1, config.n_layers) and n:
         share = (
             _block_params(config, tp)
-            + ((config.vocab_size + config.seq_len) * config.d_model if stage == 0 else 0)
+            + (_embedding_params(config) if stage == 0 else 0)
         ) / n
     later_grads = round(live_grads * (1 - share))
     start, recomputing = kept + head + other, kept + parts.per_block + parts.block_temps + later_grads

@@ -14,6 +14,15 @@ Each block is pre-LayerNorm (GPT-2, Radford et al. 2019):
 ``[q (d_model) | k (kv_dim) | v (kv_dim)]`` (kv_dim = d_model unless ``n_kv_heads`` is set),
 and ``mlp.fc`` / ``mlp.proj`` are the two MLP matrices, so tensor parallelism can split
 ``qkv`` and ``fc`` by columns and the two ``proj`` by rows (Megatron-LM, Shoeybi et al. 2019).
+
+``GPTConfig(block="llama")`` makes the block the models people train now (Llama: Touvron et al. 2023;
+Llama 3: Dubey et al. 2024): RMSNorm instead of LayerNorm, rotary positions on q and k instead of a
+learned position table, a SwiGLU MLP, no biases, the same parameter names:
+
+    x = x + attn.proj(SDPA(rotary(split(attn.qkv(ln_1(x))))))
+    x = x + mlp.proj(silu(gate) * up),  [gate | up] = mlp.fc(ln_2(x))
+
+``mlp.fc`` holds the gate and up matrices fused ([gate (f) | up (f)]), as ``qkv`` holds q, k and v.
 """
 
 from __future__ import annotations
@@ -33,13 +42,18 @@ from labkit import validate
 M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
+    "BLOCKS",
     "GPT",
     "PRESETS",
+    "ROPE_THETA",
     "GPTConfig",
+    "causal_attention",
     "check_tp_size",
     "gpt_in",
     "on_device",
+    "rotary",
     "seeded_model",
+    "swiglu",
     "synthetic_batch",
 ]
 
@@ -48,8 +62,9 @@ __all__ = [
 class GPTConfig:
     """Shape of a GPT-style decoder.
 
-    ``ffn_hidden`` overrides the MLP width (default ``mlp_ratio * d_model``);
-    ``n_kv_heads`` enables grouped-query attention (default: ``n_heads``, plain multi-head).
+    ``ffn_hidden`` overrides the MLP width (default ``mlp_ratio * d_model``; a llama block's SwiGLU has
+    three matrices of that width); ``n_kv_heads`` enables grouped-query attention (default: ``n_heads``,
+    plain multi-head); ``block`` picks the block ("gpt2" or "llama", module docstring).
     Both exist so that published Llama sizes get roughly the right parameter count.
     """
 
@@ -62,10 +77,14 @@ class GPTConfig:
     tie_embeddings: bool = False
     ffn_hidden: int | None = None
     n_kv_heads: int | None = None
+    block: str = "gpt2"  # "gpt2" (LayerNorm, GELU, learned positions) or "llama" (module docstring)
 
     def __post_init__(self) -> None:
+        validate.one_of("GPTConfig.block", self.block, BLOCKS)
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "block":
+                continue
             if f.name == "tie_embeddings":
                 if not isinstance(value, bool):
                     raise ValueError(f"GPTConfig.tie_embeddings={value!r} must be True or False")
@@ -107,6 +126,11 @@ class GPTConfig:
         """Exact number of parameters of ``GPT(self)`` (tied weights counted once)."""
         d, f, v = self.d_model, self.ffn_dim, self.vocab_size
         qkv_out = d + 2 * self.kv_heads * self.head_dim
+        if self.block == "llama":
+            # RMSNorm weights, qkv, proj, SwiGLU's three matrices; no biases, no position table
+            llama_block = 2 * d + d * qkv_out + d * d + 3 * d * f
+            head = d + (0 if self.tie_embeddings else v * d)
+            return v * d + self.n_layers * llama_block + head
         per_block = (
             2 * d  # ln_1 weight + bias
             + d * qkv_out
@@ -143,6 +167,11 @@ class GPTConfig:
         return replace(PRESETS[name])
 
 
+BLOCKS = ("gpt2", "llama")
+# Rotary positions' base (Su et al. 2021, "RoFormer"): 500,000 in Llama 3 (Dubey et al. 2024, section 3.2)
+ROPE_THETA = 500_000.0
+
+
 # Published sizes. Sources: GPT-2 (Radford et al. 2019, Table 2 and the released
 # checkpoints), GPT-3 (Brown et al. 2020, Table 2.1), Llama 2 (Touvron et al. 2023, and the
 # released configs: 7B ffn 11008, 13B ffn 13824, 70B ffn 28672 with 8 k/v heads).
@@ -175,30 +204,51 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head (or grouped-query) causal self-attention with a fused qkv projection."""
+    """Multi-head (or grouped-query) causal self-attention with a fused qkv projection; rotary positions and
+    no biases in a llama block."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.kv_heads = config.kv_heads
         self.head_dim = config.head_dim
+        self.rotary = config.block == "llama"
         kv_dim = self.kv_heads * self.head_dim
-        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * kv_dim)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        bias = config.block == "gpt2"
+        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * kv_dim, bias=bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim))
+        y = causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim, rope=self.rotary)
+        return self.proj(y)
 
 
-def causal_attention(qkv: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+def rotary(x: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) of `x` (batch, heads, seq, head_dim): each pair of channels
+    (i, i + head_dim/2) of position p rotated by the angle p / theta^(2i / head_dim), the half-split layout
+    of GPT-NeoX and Hugging Face's Llama. Made from the shape: nothing to learn, the same on every rank."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = (torch.cat([t, t], dim=-1).to(x.dtype) for t in (angles.cos(), angles.sin()))
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def causal_attention(
+    qkv: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int, *, rope: bool = False
+) -> torch.Tensor:
     """Causal attention of a fused projection laid out [q | k | v] (batch, seq, (n_heads + 2 kv_heads) x
-    head_dim); returns (batch, seq, n_heads x head_dim). Shared by the GPT and its tensor-parallel shards."""
+    head_dim); returns (batch, seq, n_heads x head_dim); `rope`: q and k take rotary positions first.
+    Shared by the GPT and its tensor-parallel shards."""
     b, s, _ = qkv.shape
     q_dim, kv_dim = n_heads * head_dim, kv_heads * head_dim
     q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
     q = q.view(b, s, n_heads, head_dim).transpose(1, 2)
     k = k.view(b, s, kv_heads, head_dim).transpose(1, 2)
     v = v.view(b, s, kv_heads, head_dim).transpose(1, 2)
+    if rope:
+        q, k = rotary(q), rotary(k)
     if kv_heads != n_heads:
         # Grouped-query attention (Ainslie et al. 2023): each k/v head serves a group of
         # query heads. repeat_interleave keeps this working on every torch >= 2.4.
@@ -222,15 +272,39 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+class SwiGLU(nn.Module):
+    """Llama's MLP (Shazeer 2020, "GLU Variants Improve Transformer"): proj(silu(gate) * up), the gate and up
+    matrices fused in `fc` as [gate | up]. No biases."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.fc = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)
+        self.proj = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(swiglu(self.fc(x)))
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [gate | up] tensor (its last dimension halved). Shared with the tp shards."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    return nn.RMSNorm(config.d_model, eps=1e-5) if config.block == "llama" else nn.LayerNorm(config.d_model)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). GPT-2's (LayerNorm, GELU) or
+    Llama's (RMSNorm, rotary, SwiGLU) by `config.block`."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = _norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.ln_2 = _norm(config)
+        self.mlp = SwiGLU(config) if config.block == "llama" else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -238,7 +312,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-style decoder: ``tok_emb``, ``pos_emb``, ``blocks``, ``ln_f``, ``lm_head``.
+    """GPT-style decoder: ``tok_emb``, ``pos_emb`` (None in a llama model), ``blocks``, ``ln_f``, ``lm_head``.
 
     ``forward(idx)`` returns logits (batch, seq, vocab); ``forward(idx, targets)`` returns the
     mean cross-entropy loss (a scalar, by ``criterion``; ``labkit.parallel.vocab`` splits logits and
@@ -257,9 +331,10 @@ class GPT(nn.Module):
         self.config = config
         self.checkpointing = checkpointing
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        # A llama block's positions are rotary, inside attention: no table
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.block == "gpt2" else None
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model)
+        self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # The loss as a module: vocabulary parallelism swaps in one for logits split over ranks
         self.criterion: nn.Module = nn.CrossEntropyLoss()
@@ -286,6 +361,13 @@ class GPT(nn.Module):
         # tok_emb last: when tied, this is also lm_head's weight.
         nn.init.normal_(self.tok_emb.weight, mean=0.0, std=std)
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The blocks' input: token embeddings, plus the learned positions' in a GPT-2 model."""
+        x = self.tok_emb(idx)
+        if self.pos_emb is None:
+            return x
+        return x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
@@ -295,8 +377,7 @@ class GPT(nn.Module):
                 f"sequence length {seq} > config.seq_len({self.config.seq_len}); "
                 f"crop the input or build the model with seq_len >= {seq}"
             )
-        pos = torch.arange(seq, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.embed(idx)
         for block in self.blocks:
             if self.checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)

@@ -218,3 +218,49 @@ def test_a_seeded_model_is_the_same_wherever_it_is_made():
     torch.manual_seed(3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), GPT(config).parameters()))
     assert seeded_model(config, 0, checkpointing=True).checkpointing
+
+
+def test_a_llama_block_has_its_published_shape_and_trains():
+    """GPTConfig(block="llama"): RMSNorm, rotary positions, SwiGLU, no biases, no position table; Llama 3 8B's
+    shape gives its published 8.03 billion parameters (Dubey et al. 2024, table 3: 32 layers, d 4096,
+    ffn 14336, 32 heads, 8 k/v heads, vocabulary 128,256)."""
+    llama3_8b = GPTConfig(
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256,
+        seq_len=8192, block="llama",
+    )
+    assert llama3_8b.num_params() == 8_030_261_248
+    small = GPTConfig(
+        n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=16, block="llama"
+    )
+    model = GPT(small)
+    assert model.pos_emb is None and sum(p.numel() for p in model.parameters()) == small.num_params()
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    assert type(model.blocks[0].ln_1).__name__ == "RMSNorm"
+    x, y = synthetic_batch(small, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = model(x, y).item()
+    for _ in range(30):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < first / 2
+
+
+def test_rotary_positions_make_attention_scores_depend_on_the_distance_only():
+    """Su et al. 2021: <R(p) q, R(n) k> depends on p - n alone, and the rotation keeps every vector's norm."""
+    from labkit.models import rotary
+
+    torch.manual_seed(0)
+    q, k = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    seq = torch.stack([q] * 12).view(1, 1, 12, 64), torch.stack([k] * 12).view(1, 1, 12, 64)
+    rq, rk = (rotary(t, theta=10_000.0)[0, 0] for t in seq)
+    assert torch.allclose(rq.norm(dim=-1), q.norm().expand(12))
+    # the angles are made in fp32, as in Llama: equal to fp32 rounding
+    assert torch.dot(rq[5], rk[2]).item() == pytest.approx(torch.dot(rq[9], rk[6]).item(), rel=1e-6)
+    assert torch.dot(rq[5], rk[2]).item() != pytest.approx(torch.dot(rq[5], rk[3]).item(), rel=1e-3)
+
+
+def test_an_unknown_block_is_refused():
+    with pytest.raises(ValueError, match="block"):
+        GPTConfig(block="mamba")

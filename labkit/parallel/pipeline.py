@@ -109,7 +109,10 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            positions = self.pos_emb  # None in a llama model: its positions are rotary, inside attention
+            x = self.tok_emb(x)
+            if positions is not None:
+                x = x + positions(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
         if self.lm_head is not None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.models import GPT, Block, GPTConfig, causal_attention, check_tp_size
+from labkit.models import GPT, Block, GPTConfig, causal_attention, check_tp_size, swiglu
 
 __all__ = [
     "ColumnParallelLinear",
@@ -175,14 +175,20 @@ def _qkv_sections(config: GPTConfig) -> list[int]:
 # Any other parameter (LayerNorms, attn.proj.bias, mlp.proj.bias, embeddings, head) is replicated.
 def _block_rule(config: GPTConfig) -> dict[str, tuple[int, list[int] | None]]:
     qkv = _qkv_sections(config)
+    fc = _fc_sections(config)
     return {
         "attn.qkv.weight": (0, qkv),
         "attn.qkv.bias": (0, qkv),
         "attn.proj.weight": (1, None),
-        "mlp.fc.weight": (0, None),
-        "mlp.fc.bias": (0, None),
+        "mlp.fc.weight": (0, fc),
+        "mlp.fc.bias": (0, fc),
         "mlp.proj.weight": (1, None),
     }
+
+
+def _fc_sections(config: GPTConfig) -> list[int] | None:
+    """A llama block's fused [gate | up]: each rank takes its own columns of both (None: one section)."""
+    return [config.ffn_dim, config.ffn_dim] if config.block == "llama" else None
 
 
 def shard_state(
@@ -218,22 +224,27 @@ class _ParallelAttention(nn.Module):
         )
         self.qkv = ColumnParallelLinear(attn.qkv, group, _qkv_sections(config), stats)
         self.proj = RowParallelLinear(attn.proj, group, stats)
+        self.rope = config.block == "llama"  # rotary positions act per head: the same on every rank's heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Local query head j uses local k/v head j // group, as in the full model: both sets are contiguous
         # and t divides both counts, so each rank's groups are whole.
-        return self.proj(causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim))
+        y = causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim, rope=self.rope)
+        return self.proj(y)
 
 
 class _ParallelMLP(nn.Module):
-    def __init__(self, mlp: nn.Module, group, stats) -> None:
+    def __init__(self, mlp: nn.Module, config: GPTConfig, group, stats) -> None:
         super().__init__()
-        self.fc = ColumnParallelLinear(mlp.fc, group, None, stats)
-        self.act = nn.GELU()  # elementwise: runs on the split hidden channels with no communication
+        self.fc = ColumnParallelLinear(mlp.fc, group, _fc_sections(config), stats)
+        self.llama = config.block == "llama"
         self.proj = RowParallelLinear(mlp.proj, group, stats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.act(self.fc(x)))
+        # GELU and SwiGLU are elementwise over the hidden channels: they run on the split ones with no
+        # communication (each rank holds the same columns of gate and up)
+        hidden = self.fc(x)
+        return self.proj(swiglu(hidden) if self.llama else F.gelu(hidden))
 
 
 class TensorParallelBlock(nn.Module):
@@ -252,7 +263,7 @@ class TensorParallelBlock(nn.Module):
         check_tp_size(config, dist.get_world_size(group))
         self.ln_1, self.ln_2 = block.ln_1, block.ln_2
         self.attn = _ParallelAttention(block.attn, config, group, stats)
-        self.mlp = _ParallelMLP(block.mlp, group, stats)
+        self.mlp = _ParallelMLP(block.mlp, config, group, stats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MHA = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8)
 GQA = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8, n_kv_heads=2)
 GQA8 = GPTConfig(n_layers=2, d_model=32, n_heads=8, vocab_size=64, seq_len=8, n_kv_heads=4)
+# Llama's block: RMSNorm, rotary positions, SwiGLU (gate and up fused in mlp.fc), no biases
+LLAMA = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8, n_kv_heads=2, block="llama")
 BATCH = 3
 
 
@@ -62,7 +64,7 @@ def _tp_case(config: GPTConfig, group: dist.ProcessGroup | None, seed: int = 0) 
 
 
 def worker_two_ranks() -> dict:
-    return {"mha": _tp_case(MHA, None), "gqa": _tp_case(GQA, None)}
+    return {"mha": _tp_case(MHA, None), "gqa": _tp_case(GQA, None), "llama": _tp_case(LLAMA, None)}
 
 
 def worker_four_ranks() -> dict:
@@ -107,6 +109,14 @@ def _check_qkv_layout(case: dict, config: GPTConfig) -> None:
     )
 
 
+def _check_swiglu_layout(case: dict, config: GPTConfig) -> None:
+    """Rank r of t holds its own columns of the gate and of the up matrix (so silu(gate) * up is local)."""
+    full = seeded_model(config).blocks[0].mlp.fc.weight.detach()
+    f, r, t = config.ffn_dim, case["rank"], case["tp"]
+    rows = [*range(r * f // t, (r + 1) * f // t), *range(f + r * f // t, f + (r + 1) * f // t)]
+    torch.testing.assert_close(case["params"]["blocks.0.mlp.fc.weight"], full[rows], atol=0, rtol=0)
+
+
 def test_two_ranks_match_one_process_with_and_without_grouped_query_attention():
     results = launch(worker_two_ranks, world_size=2, cluster=_cluster(2), timeout_s=60, deadline_s=120)
     for rank, res in enumerate(results):
@@ -114,6 +124,8 @@ def test_two_ranks_match_one_process_with_and_without_grouped_query_attention():
         _check_against_one_process(res["mha"], MHA)
         _check_against_one_process(res["gqa"], GQA)
         _check_qkv_layout(res["gqa"], GQA)
+        _check_against_one_process(res["llama"], LLAMA)
+        _check_swiglu_layout(res["llama"], LLAMA)
     # the sharded weights differ between the ranks; the replicated ones do not
     a, b = (res["mha"]["params"] for res in results)
     assert not torch.equal(a["blocks.0.mlp.fc.weight"], b["blocks.0.mlp.fc.weight"])
