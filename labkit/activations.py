@@ -25,15 +25,17 @@ def korthikanti_activation_bytes(
     n_layers: int = 1,
     recompute: str = "none",
     tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> int:
     """Activation bytes of ``n_layers`` transformer layers, Korthikanti et al. 2022, Table 2.
 
-    16-bit activations, dropout masks of 1 byte, ``tp``-way tensor parallelism without sequence
-    parallelism (t = 1: none):
+    16-bit activations, dropout masks of 1 byte, ``tp``-way tensor parallelism (t = 1: none), without
+    or with ``sequence_parallel`` (the 10 that do not shrink with t shrink too):
 
-    * ``"none"``: s*b*h*(10 + 24/t + 5*a*s/(h*t)) per layer (section 4.1: 34 + 5as/h at t = 1),
-    * ``"selective"`` (attention scores recomputed): s*b*h*(10 + 24/t) per layer,
-    * ``"full"`` (only each layer's input kept): 2*s*b*h per layer.
+    * ``"none"``: s*b*h*(10 + 24/t + 5*a*s/(h*t)) per layer (section 4.1: 34 + 5as/h at t = 1);
+      with sequence parallelism s*b*h*(34/t + 5*a*s/(h*t)),
+    * ``"selective"`` (attention scores recomputed): s*b*h*(10 + 24/t) per layer (34/t with it),
+    * ``"full"`` (only each layer's input kept): 2*s*b*h per layer (2/t with it).
 
     Embeddings, the output layer and the loss are not included, as in the paper's table.
     """
@@ -47,12 +49,14 @@ def korthikanti_activation_bytes(
         validate.positive_int(name, value)
     validate.positive_int("tp", tp)
     s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
+    whole = 1 if not sequence_parallel else t  # what tensor parallelism alone leaves whole on every rank
     if recompute == "none":
-        per_layer = 10 * s * b * h + (24 * s * b * h + 5 * a * s * s * b) // t  # s*b*h*(34 + 5as/h) at t = 1
+        # s*b*h*(34 + 5as/h) at t = 1
+        per_layer = 10 * s * b * h // whole + (24 * s * b * h + 5 * a * s * s * b) // t
     elif recompute == "selective":
-        per_layer = 10 * s * b * h + 24 * s * b * h // t
+        per_layer = 10 * s * b * h // whole + 24 * s * b * h // t
     elif recompute == "full":
-        per_layer = 2 * s * b * h
+        per_layer = 2 * s * b * h // whole
     else:
         validate.one_of("recompute", recompute, ("none", "selective", "full"))
     return n_layers * per_layer
@@ -70,7 +74,7 @@ class GPTActivations:
     first_block_share: float  # share of the parameters in embeddings + first block
 
 
-def _llama_block_bytes(config: GPTConfig, act: int, resid: int, tp: int) -> int:
+def _llama_block_bytes(config: GPTConfig, act: int, resid: int, tp: int, sp: int = 1) -> int:
     """Bytes per token a llama block saves (`labkit.models`: RMSNorm, rotary, SwiGLU), counted as autograd
     keeps them: each RMSNorm (torch's composite: x * rsqrt(mean(x^2) + eps) * weight) its input, its
     normalised input (for the weight's gradient) and an fp32 rstd, and the matmul after it its output; q/k/v
@@ -79,7 +83,7 @@ def _llama_block_bytes(config: GPTConfig, act: int, resid: int, tp: int) -> int:
     SwiGLU's [gate | up] (its views keep it whole), silu(gate) and the product."""
     h, f = config.d_model, config.ffn_dim
     kv_dim = config.kv_heads * config.head_dim
-    norms = 2 * (2 * h * resid + h * act + 4)
+    norms = 2 * ((2 * h * resid + 4) // sp + h * act)  # sp: 1/tp of the tokens with sequence parallelism
     k_v = 2 * h if kv_dim != h else kv_dim  # SDPA's k and v: repeated to n_heads, or k rotated (v is a view)
     attention = (h + 2 * kv_dim) + (h + kv_dim) + h + k_v + h
     mlp = 4 * f
@@ -87,9 +91,17 @@ def _llama_block_bytes(config: GPTConfig, act: int, resid: int, tp: int) -> int:
 
 
 def gpt_activations(
-    config: GPTConfig, micro_batch: int, seq_len: int, precision: str, tp: int = 1
+    config: GPTConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> GPTActivations:
-    """The pieces of what `labkit.models.GPT` saves for backward (see `memory.gpt_activation_bytes`)."""
+    """The pieces of what `labkit.models.GPT` saves for backward (see `memory.gpt_activation_bytes`).
+    `sequence_parallel` (`labkit.parallel.sequence`): the residual stream, the norms' inputs and statistics
+    and each block's input hold 1/tp of the tokens; the norms' outputs are saved as the all-gathered
+    matmul inputs, whole (Megatron-LM saves its share and gathers it again in backward; this GPT does not)."""
     h, f, v = config.d_model, config.ffn_dim, config.vocab_size
     kv_dim = config.kv_heads * config.head_dim
     act = 4 if precision == "fp32" else 2  # bytes of an element entering / leaving the matmuls
@@ -103,14 +115,15 @@ def gpt_activations(
     # Tensor parallelism (Megatron, no sequence parallelism) splits what lies between f and g over
     # the tp ranks: q/k/v, the attention output, fc and GELU; the residual stream and the LayerNorm
     # outputs stay whole on every rank (Korthikanti et al. 2022, section 4.2.1: 10 + 24/t).
+    sp = tp if sequence_parallel else 1  # outside f and g: 1/tp of the tokens with sequence parallelism
     per_block = tokens * (
-        2 * h * resid  # block input (saved by ln_1) and mid-block residual (saved by ln_2)
+        2 * h * resid // sp  # block input (saved by ln_1) and mid-block residual (saved by ln_2)
         + 2 * h * act
         + (qkv + h + 2 * f) * act // tp  # ln outputs, q/k/v, attention output, fc, GELU
-        + (4 + config.n_heads // tp) * 4  # fp32 LayerNorm mean/rstd (2 x 2) and attention logsumexp
+        + 4 * 4 // sp + config.n_heads // tp * 4  # fp32 LayerNorm mean/rstd (2 x 2), attention logsumexp
     )
     if config.block == "llama":
-        per_block = tokens * _llama_block_bytes(config, act, resid, tp)
+        per_block = tokens * _llama_block_bytes(config, act, resid, tp, sp)
     head = tokens * (h * resid + h * act + 2 * 4 + v * softmax)
     if precision == "autocast":
         # autocast saves the 16-bit copies of the Linear weights it made for the matmuls.
@@ -120,7 +133,7 @@ def gpt_activations(
     embeddings = (v + (config.seq_len if config.block == "gpt2" else 0)) * h
     return GPTActivations(
         per_block=per_block,
-        block_input=tokens * h * resid,
+        block_input=tokens * h * resid // sp,
         head=head,
         loss_temps=2 * tokens * v * softmax,
         block_temps=tokens * f * act // tp,

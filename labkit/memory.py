@@ -231,6 +231,7 @@ def estimate(
     pp: int = 1,
     micro_batches: int | None = None,
     foreach: bool = False,
+    sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """Per-rank training memory from formulas (no tensors are built).
 
@@ -267,6 +268,9 @@ def estimate(
     second moment into new tensors with one for-each call (``torch/optim/adam.py``): one more copy
     of the optimizer state during the step, which the optimizer-step moment counts.
 
+    ``sequence_parallel`` (with ``tp``): the activations outside attention and the MLP hold 1/tp of the
+    tokens (Korthikanti et al. 2022, section 4.2.2; ``labkit.parallel.sequence``).
+
     Model parallelism (a ``GPTConfig``): ``tp`` ranks share each block's matrices (Megatron,
     ``labkit.parallel.tensor``: norms, biases after g, embedding and head stay whole), ``pp``
     stages share the blocks as ``even_split`` does (embedding on the first, head on the last).
@@ -301,8 +305,10 @@ def estimate(
     if micro_batches is not None:
         validate.positive_int("micro_batches", micro_batches, "estimate(..., pp=4, micro_batches=8)")
     n, config = _count_params(params, model)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False")
     knobs = _Knobs(dp, zero_stage, precision, optimizer, micro_batch, seq_len, recompute, keep_grads,
-                   activations, tp, foreach)
+                   activations, tp, foreach, sequence_parallel)
     if config is None:
         return _estimate_stage(_shard(n, tp * pp), None, 1, 0, knobs, f"tp={tp}, pp={pp}")
     check_model_parallel(config, tp, pp)
@@ -384,6 +390,7 @@ class _Knobs:
     activations: str
     tp: int
     foreach: bool
+    sequence_parallel: bool
 
 
 def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k: _Knobs, where: str,
@@ -406,13 +413,15 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k
         seq = config.seq_len if k.seq_len is None else k.seq_len
         act_mem, other, peak_of_backward, backward_moment = _activations(
             config, k.micro_batch, seq, k.precision, k.checkpointing, k.activations, live_grads, k.tp, blocks,
-            in_flight, has_head, stage, n,
+            in_flight, has_head, stage, n, k.sequence_parallel,
         )
         if peak_of_backward >= transient:
             transient, moment = peak_of_backward, backward_moment
     peak = param_mem + opt_mem + (grad_mem if k.keep_grads else 0) + transient
     parallel = "" if where == "tp=1, pp=1" else f", {where}"
     setting = f"{k.precision}, {k.optimizer}, dp={k.dp}, ZeRO-{k.zero_stage}, {k.activations}"
+    if k.sequence_parallel:
+        setting += ", sequence parallel"
     if k.checkpointing != "none":
         setting += f", {k.checkpointing} recomputation"
     source = f"estimate ({setting}{parallel})"
@@ -450,6 +459,7 @@ def _activations(
     has_head: bool = True,
     stage: int = 0,
     n: int | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple[int, int, int, str]:
     """(activation bytes, other temporaries, bytes of both at backward's peak, that moment: "backward" or
     "recomputation") for `estimate`: `blocks` blocks (all of them by default) with `in_flight` micro-batches,
@@ -464,11 +474,12 @@ def _activations(
             blocks,
             recompute=checkpointing,
             tp=tp,
+            sequence_parallel=sequence_parallel,
         )
         if PRECISIONS[precision][4] == 4:
             act *= 2  # course adaptation: fp32 activations are twice the 16-bit bytes
         return act, 0, act, "backward"
-    parts = gpt_activations(config, micro_batch, seq, precision, tp)
+    parts = gpt_activations(config, micro_batch, seq, precision, tp, sequence_parallel)
     head = parts.head if has_head else 0
     other = parts.loss_temps if has_head else 0
     # Selective recomputation drops the s*s scores; fused attention keeps none, so nothing changes here.

@@ -9,6 +9,7 @@
   should not pay);
 * `tensor.py`: tensor parallelism in the Megatron style (f and g, column- and row-parallel layers);
 * `vocab.py`: the embedding, LM head and loss split along the vocabulary over the tp group;
+* `sequence.py`: sequence parallelism, the norms and residual stream split along the sequence over it;
 * `groups.py`: how they combine: each rank's dp, tp and pp groups under a `labkit.layout.Layout`.
 """
 

@@ -14,9 +14,10 @@ in place; `check_tp_size` says which sizes a config allows; `shard_state` is the
 The embeddings, every LayerNorm and the head stay replicated on every TP rank here; they see the same
 input, so their gradients are already equal on every rank and need no extra communication.
 `vocab.py` splits the embedding, the head and the loss along the vocabulary (section 3's split of the output
-embedding). Not done: sequence parallelism (Korthikanti et al. 2022). Every rank must start from the same
-full model (e.g. `labkit.models.seeded_model`). The process group is always passed
-explicitly (None: the default group); nothing is global. Neighbours: `vocab.py`, `data.py`, `pipeline.py`.
+embedding); `sequence.py` splits what lies outside f and g along the sequence (Korthikanti et al. 2022).
+Every rank must start from the same full model (e.g. `labkit.models.seeded_model`). The process group is
+always passed explicitly (None: the default group); nothing is global. Neighbours: `vocab.py`, `sequence.py`,
+`data.py`, `pipeline.py`.
 """
 
 from __future__ import annotations
