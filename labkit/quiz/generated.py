@@ -60,10 +60,12 @@ def bubble(rng: random.Random) -> Question:
         "pipeline",
         "numeric",
         f"A pipeline of {p} equal stages runs 1F1B with {m} micro-batches per step. What percentage of the "
-        "step is the bubble (idle time)?",
+        "whole step (busy and idle time together) does each stage spend idle in the bubble?",
         value,
-        f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {value:.1f} % (Huang et al. 2019; 1F1B has the same "
-        "bubble as GPipe, Narayanan et al. 2021).",
+        f"(p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {value:.1f} % of the step (Huang et al. 2019; 1F1B "
+        "has the same bubble as GPipe, Narayanan et al. 2021). Megatron-LM's papers quote the same bubble as "
+        f"(p - 1) / m = {100 * (p - 1) / m:.1f} % of the ideal, bubble-free time instead: another "
+        "denominator, not another bubble.",
         "04_imbalanced_pipeline",
         "4 · Fix, part 1",
         unit="%",
