@@ -25,6 +25,19 @@ def _headings(repo: Path, stem: str) -> list[str]:
     ]
 
 
+def test_the_key_is_seldom_the_only_longest_choice():
+    """A test-wise learner picks the longest choice. With four choices, chance makes the key the only longest
+    in about a quarter of the questions; the bank keeps it to at most a fifth (issue 46's review found 21 of
+    60; 8 when this was written)."""
+    choice = [q for q in quiz.bank() if q.kind == "choice"]
+    cued = [
+        q.id for q in choice
+        if (lengths := [len(c) for c in q.choices])[int(q.answer)] == max(lengths)
+        and lengths.count(max(lengths)) == 1
+    ]
+    assert len(cued) <= len(choice) // 5, cued
+
+
 def test_at_least_40_valid_questions_over_every_topic(repo):
     questions = quiz.bank()
     assert len(questions) >= 40
