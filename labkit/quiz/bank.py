@@ -9,7 +9,8 @@ arithmetic is left to the generators.
 
 `Question` is one question; `bank(topic=None, seed=0)` returns the multiple-choice questions
 and one fresh instance of every numeric generator (`labkit.quiz.generated`),
-drawn with `seed`, so the same seed gives the same paper and another seed new numbers; `exam(n, seed)` a
+drawn with `seed`, so the same seed gives the same paper and another seed new numbers (and the choices of
+each multiple-choice question in another order); `exam(n, seed)` a
 mixed mock exam balanced over the topics; `grade(question, answer)` says whether an answer is right and
 why; `score(results)` scores by topic. Every question points to the lab section that teaches it.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from importlib import resources
 
 from labkit import validate
@@ -55,8 +57,17 @@ def bank(topic: str | None = None, seed: int = 0) -> list[Question]:
         validate.one_of("topic", topic, tuple(TOPICS), 'labkit.quiz.bank(topic="memory")')
     validate.non_negative_int("seed", seed, "labkit.quiz.bank(seed=0)")
     rng = random.Random(seed)
-    questions = [_choice(d) for d in choice_questions()] + [make(rng) for make in GENERATORS]
+    questions = [_shuffled(_choice(d), seed) for d in choice_questions()] + [make(rng) for make in GENERATORS]
     return [q for q in questions if topic is None or q.topic == topic]
+
+
+def _shuffled(question: Question, seed: int) -> Question:
+    """`question` with its choices in an order drawn from (`seed`, its id), its `answer` following the key:
+    where the key stands tells a learner nothing, and another seed gives another order."""
+    order = list(range(len(question.choices)))
+    random.Random(f"{seed}:{question.id}").shuffle(order)  # a str seed: the same order in every process
+    choices = tuple(question.choices[i] for i in order)
+    return replace(question, choices=choices, answer=order.index(int(question.answer)))
 
 
 def exam(n: int = 20, seed: int = 0) -> list[Question]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from labkit import quiz
+from labkit.quiz.bank import choice_questions
 from labkit.quiz.question import TOPICS, Question
 
 
@@ -107,3 +108,19 @@ def test_each_question_is_tagged_with_its_topic():
         (q.id, q.topic) for q in allocator
     ]
     assert "fragmentation" in TOPICS["memory"][0] and "fragmentation" not in TOPICS["precision"][0]
+
+
+def test_each_seed_deals_the_choices_in_its_own_order_and_the_key_follows():
+    stored = {d["id"]: d for d in choice_questions()}
+    papers = [{q.id: q for q in quiz.bank(seed=s) if q.kind == "choice"} for s in (0, 1)]
+    again = {q.id: q for q in quiz.bank(seed=1) if q.kind == "choice"}
+    for qid, d in stored.items():
+        for paper in papers:
+            q = paper[qid]
+            assert sorted(q.choices) == sorted(d["choices"])
+            assert q.correct == d["choices"][d["answer"]]  # the key moves with its choice
+        assert again[qid] == papers[1][qid]  # the same seed, the same order
+    assert any(papers[0][i].choices != papers[1][i].choices for i in stored)
+    # where the key stands tells nothing: it is not always first (or anywhere in particular)
+    positions = [int(q.answer) for q in papers[0].values()]
+    assert len(set(positions)) >= 3 and max(positions.count(k) for k in set(positions)) < len(positions) / 2
