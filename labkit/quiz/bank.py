@@ -3,7 +3,9 @@
 The multiple-choice questions are `questions.json` in this package: a list of objects with `id` (kebab-case,
 starting with its topic), `topic` (one of `TOPICS`), `text`, `choices` (3 to 5, exactly one right, never
 "all of the above"), `answer` (the right choice's index), `explanation` (why, naming the paper or document a
-fact comes from), `reference` (the lab notebook's stem) and `section` (the start of a heading in it). They
+fact comes from), `reference` (the lab notebook's stem) and `section` (the start of a heading in it), and
+`practice: true` on a question about how this course's own code works, which no exam asks: the labs' quizzes
+keep it, the mock exam leaves it out. They
 are about what holds on real GPUs (NCCL, CUDA, PyTorch), not the emulated cluster's modelling choices;
 arithmetic is left to the generators.
 
@@ -27,7 +29,7 @@ from labkit import validate
 from labkit.quiz.generated import GENERATORS
 from labkit.quiz.question import TOPICS, Question
 
-__all__ = ["TOPICS", "Question", "bank", "choice_questions", "exam", "grade", "score"]
+__all__ = ["TOPICS", "Question", "bank", "choice_questions", "exam", "exam_questions", "grade", "score"]
 
 
 def _choice(d: dict) -> Question:
@@ -41,6 +43,7 @@ def _choice(d: dict) -> Question:
         d["reference"],
         d["section"],
         tuple(d["choices"]),
+        practice=d.get("practice", False),
     )
 
 
@@ -70,11 +73,16 @@ def _shuffled(question: Question, seed: int) -> Question:
     return replace(question, choices=choices, answer=order.index(int(question.answer)))
 
 
+def exam_questions(topic: str | None = None, seed: int = 0) -> list[Question]:
+    """`bank(topic, seed)` without the practice questions: what a mock exam draws from."""
+    return [q for q in bank(topic, seed) if not q.practice]
+
+
 def exam(n: int = 20, seed: int = 0) -> list[Question]:
     """A mock exam of `n` questions, taking the topics in turn (each topic's questions shuffled by `seed`)."""
     validate.positive_int("n", n, "labkit.quiz.exam(n=20)")
     rng = random.Random(seed)
-    pools = {t: bank(t, seed) for t in TOPICS}
+    pools = {t: exam_questions(t, seed) for t in TOPICS}
     for pool in pools.values():
         rng.shuffle(pool)
     total = sum(len(p) for p in pools.values())

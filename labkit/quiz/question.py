@@ -40,6 +40,8 @@ class Question:
     unit: str = ""
     tolerance: float = 0.02
     params: dict = field(default_factory=dict, compare=False)  # a generated question's inputs
+    # course practice only: it tests how this course's code works, which no exam asks; not in the mock exam
+    practice: bool = False
 
     @property
     def where(self) -> str:

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
+from labkit.quiz.bank import TOPICS, Question, bank, exam, exam_questions, grade, score
 from labkit.quiz.show import question_lines
 
 __all__ = ["EXAM_MINUTES", "command_questions", "read_answer", "run_terminal"]
@@ -241,10 +241,10 @@ def command_questions(
         )
     if exam_n is not None:
         minutes = EXAM_MINUTES if minutes is None else minutes
-        size = len(bank(seed=seed))
+        size = len(exam_questions(seed=seed))
         if exam_n < 1:
             raise ValueError(
-                f"--exam {exam_n} must be a number of questions from 1 to {size} (the bank's size); "
+                f"--exam {exam_n} must be a number of questions from 1 to {size} (the bank's for exams); "
                 f"e.g. labkit quiz --exam {min(20, size)}"
             )
         if exam_n > size:

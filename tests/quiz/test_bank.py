@@ -124,3 +124,17 @@ def test_each_seed_deals_the_choices_in_its_own_order_and_the_key_follows():
     # where the key stands tells nothing: it is not always first (or anywhere in particular)
     positions = [int(q.answer) for q in papers[0].values()]
     assert len(set(positions)) >= 3 and max(positions.count(k) for k in set(positions)) < len(positions) / 2
+
+
+def test_practice_questions_stay_in_the_labs_quizzes_and_out_of_the_mock_exam():
+    """Issue 46: four questions test how this course's code works, which no exam asks."""
+    practice = {q.id for q in quiz.bank() if q.practice}
+    assert practice == {
+        "pipeline-interleaved-memory", "memory-oom-retry", "communication-nccl-sync-return",
+        "pipeline-greedy-balance",
+    }
+    from labkit.quiz.bank import exam_questions
+
+    size = len(exam_questions())
+    assert size == len(quiz.bank()) - 4
+    assert not practice & {q.id for q in quiz.exam(size, seed=3)}
