@@ -30,12 +30,13 @@ its memory is over-counted by at least 14 % (not found why: the other rows stay 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from labkit import device_memory, emulate, launcher, timer
+from labkit import device_memory, emulate, timer
 from labkit.cluster import Cluster
+from labkit.experiments.published_runs import carried_to_layers
 from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.fsdp import fully_sharded
 
@@ -151,30 +152,15 @@ def _rank(config: GPTConfig, micro_batch: int, checkpointing: bool) -> dict[str,
     }
 
 
-def _ranks(run: MosaicRun, node: Cluster, blocks: tuple[int, int] | None) -> list[dict[str, float]]:
-    config = run.config()
-    args = (run.micro_batch, run.checkpointing)
-    if blocks is None or config.n_layers <= max(blocks):
-        return launcher.launch(_rank, config, *args, world_size=run.gpus, cluster=node, timeout_s=300)
-    few, more = (
-        launcher.launch(_rank, replace(config, n_layers=n), *args, world_size=run.gpus, cluster=node,
-                        timeout_s=300)
-        for n in blocks
-    )
-    share = (config.n_layers - blocks[0]) / (blocks[1] - blocks[0])
-    return [
-        {k: a.get(k, 0.0) + share * (b.get(k, 0.0) - a.get(k, 0.0)) for k in {**a, **b}}
-        for a, b in zip(few, more)
-    ]
-
-
 def simulate(run: MosaicRun, blocks: tuple[int, int] | None = BLOCKS) -> SimulatedFSDPRun:
     """`run`'s iteration on a simulated DGX H100 (module docstring). `blocks`: the two block counts simulated
     (None: every block of the row)."""
     if run.gpus != GPUS:
         raise ValueError(f"{run.name}: simulate runs one DGX H100 node ({GPUS} GPUs), got gpus={run.gpus}")
     node = Cluster.preset("dgx-h100").simulated()
-    ranks = _ranks(run, node, blocks)
+    args = (run.micro_batch, run.checkpointing)
+    ranks = carried_to_layers(_rank, run.config(), *args, world_size=run.gpus, cluster=node, blocks=blocks,
+                              timeout_s=300)
     slowest = {k: max(r[k] for r in ranks) for k in ("first", "later", "optimizer")}
     kinds = {k.removesuffix("_s"): v * 1e3 for k, v in ranks[0].items() if k.endswith("_s")}
     kinds["comm"] = slowest["later"] * 1e3 - sum(kinds.values())  # what waited for a collective

@@ -27,6 +27,7 @@ simulated. Rows with pipeline parallelism (pp > 1) are not simulated here.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,7 +41,15 @@ from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.tensor import tensor_parallel
 from labkit.parallel.vocab import vocab_parallel
 
-__all__ = ["TABLE_1", "PublishedRun", "SimulatedRun", "megatron_flops", "simulate", "table"]
+__all__ = [
+    "TABLE_1",
+    "PublishedRun",
+    "SimulatedRun",
+    "carried_to_layers",
+    "megatron_flops",
+    "simulate",
+    "table",
+]
 
 SEQ_LEN = 2048
 VOCAB = 51200
@@ -164,16 +173,25 @@ def _replica(config: GPTConfig, micro_batch: int) -> dict[str, float]:
     }
 
 
-def _replicas(
-    run: PublishedRun, micro_batch: int, node: Cluster, blocks: tuple[int, int] | None
+def carried_to_layers(
+    fn: Callable[..., dict[str, float]],
+    config: GPTConfig,
+    *args: object,
+    world_size: int,
+    cluster: Cluster,
+    blocks: tuple[int, int] | None,
+    timeout_s: float = 30.0,
 ) -> list[dict[str, float]]:
-    """Each tp rank's `_replica` measures at the row's blocks: simulated whole (`blocks` None), or carried
-    along the line through runs with `blocks` blocks (each block is the same work: linear in the blocks)."""
-    if blocks is None or run.layers <= max(blocks):
-        return launcher.launch(_replica, run.config(), micro_batch, world_size=run.tp, cluster=node)
-    configs = [replace(run.config(), n_layers=n) for n in blocks]
-    few, more = (launcher.launch(_replica, c, micro_batch, world_size=run.tp, cluster=node) for c in configs)
-    share = (run.layers - blocks[0]) / (blocks[1] - blocks[0])
+    """Each rank's `fn(config, *args)` measures at `config`'s blocks: simulated whole (`blocks` None, or a
+    model no deeper than them), or carried along the line through runs with `blocks` blocks (each block is the
+    same work: times, bytes and peaks are linear in the blocks)."""
+    def run(c: GPTConfig) -> list[dict[str, float]]:
+        return launcher.launch(fn, c, *args, world_size=world_size, cluster=cluster, timeout_s=timeout_s)
+
+    if blocks is None or config.n_layers <= max(blocks):
+        return run(config)
+    few, more = (run(replace(config, n_layers=n)) for n in blocks)
+    share = (config.n_layers - blocks[0]) / (blocks[1] - blocks[0])
     return [
         {k: a.get(k, 0.0) + share * (b.get(k, 0.0) - a.get(k, 0.0)) for k in {**a, **b}}
         for a, b in zip(few, more)
@@ -197,7 +215,9 @@ def simulate(
             f"batch {run.batch} does not split into dp={run.dp} replicas of micro-batches of {micro_batch}"
         )
     node = Cluster.preset(preset).simulated()
-    ranks = _replicas(run, micro_batch, node, blocks)
+    ranks = carried_to_layers(
+        _replica, run.config(), micro_batch, world_size=run.tp, cluster=node, blocks=blocks
+    )
     slowest = {k: max(r[k] for r in ranks) for k in ("first", "later", "optimizer")}
     kinds = {k.removesuffix("_s"): v * 1e3 for k, v in ranks[0].items() if k.endswith("_s")}
     kinds["tp"] = slowest["later"] * 1e3 - sum(kinds.values())  # the rest of the micro-batch: tp all-reduces
