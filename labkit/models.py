@@ -212,14 +212,14 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        self.rotary = config.block == "llama"
+        self.rope = config.block == "llama"
         kv_dim = self.kv_heads * self.head_dim
         bias = config.block == "gpt2"
         self.qkv = nn.Linear(config.d_model, config.d_model + 2 * kv_dim, bias=bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim, rope=self.rotary)
+        y = causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim, rope=self.rope)
         return self.proj(y)
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.models import GPT, causal_attention, swiglu
+from labkit.models import GPT
 from labkit.parallel.tensor import TensorParallelBlock, TPStats
 
 __all__ = ["SequenceParallelBlock", "gather_sequence", "reduce_scatter_sequence", "sequence_parallel"]
@@ -161,11 +161,9 @@ class SequenceParallelBlock(nn.Module):
             x = _Scatter.apply(x, self.group, self.stats)
         attn, mlp = self.attn, self.mlp
         h = gather_sequence(self.ln_1(x), self.group, self.stats)
-        qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
-        y = causal_attention(qkv, attn.n_heads, attn.kv_heads, attn.head_dim, rope=attn.rope)
-        x = x + self._row(attn.proj, y)
+        x = x + self._row(attn.proj, attn.attend(F.linear(h, attn.qkv.weight, attn.qkv.bias)))
         h = F.linear(gather_sequence(self.ln_2(x), self.group, self.stats), mlp.fc.weight, mlp.fc.bias)
-        x = x + self._row(mlp.proj, swiglu(h) if mlp.llama else F.gelu(h))
+        x = x + self._row(mlp.proj, mlp.activate(h))
         return _GatherWhole.apply(x, self.group, self.stats) if self.last else x
 
 

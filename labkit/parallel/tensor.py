@@ -227,11 +227,14 @@ class _ParallelAttention(nn.Module):
         self.proj = RowParallelLinear(attn.proj, group, stats)
         self.rope = config.block == "llama"  # rotary positions act per head: the same on every rank's heads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' attention of its slice of qkv (no communication)."""
         # Local query head j uses local k/v head j // group, as in the full model: both sets are contiguous
         # and t divides both counts, so each rank's groups are whole.
-        y = causal_attention(self.qkv(x), self.n_heads, self.kv_heads, self.head_dim, rope=self.rope)
-        return self.proj(y)
+        return causal_attention(qkv, self.n_heads, self.kv_heads, self.head_dim, rope=self.rope)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.attend(self.qkv(x)))
 
 
 class _ParallelMLP(nn.Module):
@@ -241,11 +244,13 @@ class _ParallelMLP(nn.Module):
         self.llama = config.block == "llama"
         self.proj = RowParallelLinear(mlp.proj, group, stats)
 
+    def activate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """GELU, or SwiGLU of [gate | up]: elementwise over the hidden channels, so they run on this rank's
+        split ones with no communication (each rank holds the same columns of gate and up)."""
+        return swiglu(hidden) if self.llama else F.gelu(hidden)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # GELU and SwiGLU are elementwise over the hidden channels: they run on the split ones with no
-        # communication (each rank holds the same columns of gate and up)
-        hidden = self.fc(x)
-        return self.proj(swiglu(hidden) if self.llama else F.gelu(hidden))
+        return self.proj(self.activate(self.fc(x)))
 
 
 class TensorParallelBlock(nn.Module):
