@@ -36,7 +36,7 @@ import torch
 
 from labkit import device_memory, emulate, timer
 from labkit.cluster import Cluster
-from labkit.experiments.published_runs import carried_to_layers
+from labkit.experiments.published_runs import carried_to_layers, step_parts_ms
 from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.fsdp import fully_sharded
 
@@ -161,14 +161,12 @@ def simulate(run: MosaicRun, blocks: tuple[int, int] | None = BLOCKS) -> Simulat
     args = (run.micro_batch, run.checkpointing)
     ranks = carried_to_layers(_rank, run.config(), *args, world_size=run.gpus, cluster=node, blocks=blocks,
                               timeout_s=300)
-    slowest = {k: max(r[k] for r in ranks) for k in ("first", "later", "optimizer")}
-    kinds = {k.removesuffix("_s"): v * 1e3 for k, v in ranks[0].items() if k.endswith("_s")}
-    kinds["comm"] = slowest["later"] * 1e3 - sum(kinds.values())  # what waited for a collective
+    slowest, kinds = step_parts_ms(ranks, "comm")  # what waited for a collective
     return SimulatedFSDPRun(
         run,
-        slowest["first"] * 1e3,
-        slowest["later"] * 1e3,
-        slowest["optimizer"] * 1e3,
+        slowest["first"],
+        slowest["later"],
+        slowest["optimizer"],
         max(r["peak_bytes"] for r in ranks) / 2**30,
         node.label,
         kinds,

@@ -48,6 +48,7 @@ __all__ = [
     "carried_to_layers",
     "megatron_flops",
     "simulate",
+    "step_parts_ms",
     "table",
 ]
 
@@ -198,6 +199,16 @@ def carried_to_layers(
     ]
 
 
+def step_parts_ms(ranks: list[dict[str, float]], rest: str) -> tuple[dict[str, float], dict[str, float]]:
+    """From each rank's seconds: the slowest rank's first and later micro-batch and optimizer step, and a
+    later micro-batch's operators by kind on rank 0, with what no operator took named `rest` (collectives);
+    in ms."""
+    slowest = {k: max(r[k] for r in ranks) * 1e3 for k in ("first", "later", "optimizer")}
+    kinds = {k.removesuffix("_s"): v * 1e3 for k, v in ranks[0].items() if k.endswith("_s")}
+    kinds[rest] = slowest["later"] - sum(kinds.values())
+    return slowest, kinds
+
+
 def simulate(
     run: PublishedRun,
     micro_batch: int = 1,
@@ -218,9 +229,7 @@ def simulate(
     ranks = carried_to_layers(
         _replica, run.config(), micro_batch, world_size=run.tp, cluster=node, blocks=blocks
     )
-    slowest = {k: max(r[k] for r in ranks) for k in ("first", "later", "optimizer")}
-    kinds = {k.removesuffix("_s"): v * 1e3 for k, v in ranks[0].items() if k.endswith("_s")}
-    kinds["tp"] = slowest["later"] * 1e3 - sum(kinds.values())  # the rest of the micro-batch: tp all-reduces
+    slowest, kinds = step_parts_ms(ranks, "tp")  # the rest of the micro-batch: tp all-reduces
     nodes = Cluster.preset(preset, nodes=-(-run.gpus // node.gpus_per_node))
     dp_group = Layout(dp=run.dp, tp=run.tp).groups_of("dp")[0]  # across nodes: rings over the rails
     link = nodes.topology().rail_ring(dp_group)
@@ -228,10 +237,10 @@ def simulate(
     return SimulatedRun(
         run,
         micro_batch,
-        slowest["first"] * 1e3,
-        slowest["later"] * 1e3,
+        slowest["first"],
+        slowest["later"],
         dp_s * 1e3,
-        slowest["optimizer"] * 1e3,
+        slowest["optimizer"],
         max(r["peak_bytes"] for r in ranks) / 2**30,
         node.label,
         kinds,
