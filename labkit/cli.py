@@ -266,10 +266,14 @@ def quiz(args: argparse.Namespace) -> int:
 
 def grade(args: argparse.Namespace) -> int:
     from labkit.course.grade import grade_folder, table, write_csv
+    from labkit.experiments.capstone import EXAM_SECRET_ENV, exam_secret
 
     os.environ["LABKIT_TEXT_ONLY"] = "1"
+    if args.exam_secret:  # the kernels inherit it: each capstone is dealt again as its learner's was
+        os.environ[EXAM_SECRET_ENV] = str(Path(args.exam_secret).resolve())
     params = {"cluster": args.cluster, **_parse_params(args.param)}
     try:  # a folder without labs, a -p key no lab graded takes or a value one refuses: before any kernel
+        exam_secret()  # an unreadable or empty secret file: said before any kernel starts
         grades = grade_folder(args.folder, params, args.cell_timeout)
     except ValueError as exc:
         print(f"labkit grade: {exc}", file=sys.stderr)
@@ -421,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     _notebook_options(p, "cpu", "notebook parameter, passed to the labs that have it (checked first)")
     p.add_argument(
         "--csv", help="also write the grades to this CSV file (learner, lab, check, status: each one whole)"
+    )
+    p.add_argument(
+        "--exam-secret",
+        metavar="FILE",
+        help="exam mode: the instructor's secret file the capstones were dealt with "
+        "($LABKIT_EXAM_SECRET_FILE)",
     )
     p.set_defaults(func=grade)
 

@@ -11,6 +11,7 @@ by measurement alone, as a script (on a simulated machine too: `--cluster sim:dg
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from labkit.training.step_time import step_ms, step_spread_ms, versus_clean
 
 __all__ = [
     "DEALT",
+    "EXAM_SECRET_ENV",
     "GPU_MODEL",
     "MODEL",
     "SEGMENT_SLACK_MIB",
@@ -41,6 +43,7 @@ __all__ = [
     "clean_job",
     "dealt",
     "draw",
+    "exam_secret",
     "headline",
     "step_ms",
     "train",
@@ -62,6 +65,33 @@ MODEL = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=2048, seq_len=64
 # where it is not dealt anyway, nothing is sized for it.
 GPU_MODEL = dataclasses.replace(MODEL, seq_len=256)
 SEGMENT_SLACK_MIB = 10  # half a large segment (kLargeBuffer, 20 MiB) that a step's blocks may leave free
+# Exam mode: a file holding the instructor's secret, which `draw` mixes into the seed.
+EXAM_SECRET_ENV = "LABKIT_EXAM_SECRET_FILE"
+
+
+def exam_secret(environ: dict[str, str] | None = None) -> str | None:
+    """The instructor's exam secret: the text of the file `$LABKIT_EXAM_SECRET_FILE` names (None: not set).
+
+    With it, `draw` deals from the seed and the secret together, so the public seed alone no longer tells the
+    planted mistakes (`draw(seed).planted`). The learner's kernel and `labkit grade` must read the same
+    file."""
+    env = os.environ if environ is None else environ
+    path = env.get(EXAM_SECRET_ENV, "").strip()
+    if not path:
+        return None
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as err:
+        raise ValueError(
+            f"{EXAM_SECRET_ENV}={path!r} cannot be read ({err.strerror}): point it at the instructor's "
+            f"secret file, or unset it to deal from the seed alone"
+        ) from err
+    if not secret:
+        raise ValueError(
+            f"{EXAM_SECRET_ENV}={path!r} is empty: write the secret in it (any text, e.g. from "
+            f"`python3 -c 'import secrets; print(secrets.token_hex(16))'`), or unset it"
+        )
+    return secret
 
 
 def dealt(
@@ -124,6 +154,7 @@ def draw(
     memory_mib: float | None = None,
     on_gpu: bool = False,
     simulated: bool = False,
+    secret: str | None = None,
 ) -> Capstone:
     """Deal the capstone of `seed` for `machine` (its ranks): two or three of `dealt(machine)` planted in one
     data-parallel job (both where it has only two: a simulated machine). Without `machine`, a machine on
@@ -135,7 +166,10 @@ def draw(
     needs by `labkit.memory.estimate` (Adam, fp32, micro-batch 4): room for the clean job and for the logging
     mistake's gathered logits, not for twice the micro-batch (measured on the default GPT, emulated: clean
     15.8 MiB, gathered logits 19.8 MiB, micro-batch 8 25.9 MiB, against 21.9 MiB); where the cap limits
-    segments `SEGMENT_SLACK_MIB` more (a simulated GPU counts tensor bytes)."""
+    segments `SEGMENT_SLACK_MIB` more (a simulated GPU counts tensor bytes).
+
+    `secret` (exam mode, `exam_secret()`): dealt from the seed and the secret together, so that another deal
+    than `draw(seed)`'s comes out; the same seed and secret always deal the same job."""
     if machine is not None:
         world_size, segments, gpu_sequence = machine.ranks, machine.caps_reserved, machine.gpu_sized
     else:
@@ -146,7 +180,8 @@ def draw(
         )
     pool = dealt(machine, on_gpu=on_gpu, simulated=simulated, world_size=world_size)  # the flags: on paper
     model = model or (GPU_MODEL if segments or gpu_sequence else MODEL)
-    rng = random.Random(seed)
+    # random.Random hashes a str seed with SHA-512 (CPython's random.seed, version 2): a stable deal per pair
+    rng = random.Random(seed if secret is None else f"{secret}/{seed}")
     planted = tuple(sorted(rng.sample(pool, min(rng.choice((2, 3)), len(pool))), key=DEALT.index))
     clean = clean_job(world_size)
     job = clean
@@ -251,7 +286,9 @@ def headline(w: Where, p: Params) -> LabRecords:
     largest whose estimate fits 90 % of the memory, if it runs out), then rounds of fixing the first finding
     of `labkit.trace.findings` that names a mistake, until the traces show none; the limit is the clean job,
     in the final launch."""
-    cap = draw(p.capstone_seed, world_size=w.world_size, on_gpu=w.on_gpu, simulated=w.simulated)
+    cap = draw(
+        p.capstone_seed, world_size=w.world_size, on_gpu=w.on_gpu, simulated=w.simulated, secret=exam_secret()
+    )
     folder = Path(p.trace_dir).resolve()
 
     def attempt(jobs: list[TrainingJob], name: str) -> list[list[JobResult]] | None:

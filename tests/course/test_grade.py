@@ -18,6 +18,7 @@ import pytest
 from labkit.cli import EXIT_USAGE, main
 from labkit.course import grade
 from labkit.course.grade import TABLE_STATUS_CHARS, LabGrade, check_cells, grade_folder
+from labkit.experiments.capstone import EXAM_SECRET_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,6 +97,16 @@ def test_a_parameter_goes_only_to_the_labs_that_have_it(tmp_path, monkeypatch):
         ("alice", "04_imbalanced_pipeline", {"cluster": "cpu", "steps": 1}),
         ("bob", "01_parallelism_choice", {"cluster": "cpu", "steps": 1}),
     ]
+
+
+def test_an_unreadable_exam_secret_is_refused_before_any_kernel(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(EXAM_SECRET_ENV, raising=False)  # grade sets it for its kernels: put back after
+    calls = _recorded(monkeypatch)
+    folder = _lab_folder(tmp_path, [("alice", "06_capstone")])
+    assert main(["grade", str(folder), "--exam-secret", str(tmp_path / "nowhere.txt")]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and calls == [], err
+    assert err[0].startswith(f"labkit grade: {EXAM_SECRET_ENV}=") and "cannot be read" in err[0]
 
 
 def test_a_key_no_lab_graded_takes_is_refused_before_any_kernel(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labkit import Cluster, RankError, launch
-from labkit.experiments.capstone import DEALT, GPU_MODEL, dealt, draw, train
+from labkit.experiments.capstone import DEALT, EXAM_SECRET_ENV, GPU_MODEL, dealt, draw, exam_secret, train
 from labkit.machine import Machine
 from labkit.training import MISTAKES, TrainingJob
 from labkit.training.job import job_name
@@ -40,6 +40,28 @@ def test_the_seed_deals_every_combination_and_hides_the_answer():
     with pytest.raises(ValueError, match="micro_batch"):
         TrainingJob(global_batch=16, micro_batch=3).check(2)
     assert job_name(TrainingJob(grad_sync="per_tensor")) == "grad_sync-per_tensor"
+
+
+def test_exam_mode_deals_from_the_seed_and_the_instructors_secret(tmp_path):
+    """With the instructor's secret the public seed no longer tells the deal, the same pair always deals the
+    same job (the grader's run deals the learner's again), and every combination can still come out."""
+    path = tmp_path / "secret.txt"
+    path.write_text("spring-sitting-7f3a\n")
+    secret = exam_secret({EXAM_SECRET_ENV: str(path)})
+    assert secret == "spring-sitting-7f3a" and exam_secret({}) is None
+    assert exam_secret({EXAM_SECRET_ENV: " "}) is None
+    public = [draw(seed).planted for seed in range(40)]
+    exam = [draw(seed, secret=secret).planted for seed in range(40)]
+    assert exam == [draw(seed, secret=secret).planted for seed in range(40)]
+    assert sum(a != b for a, b in zip(public, exam)) >= 30, (public, exam)  # 1 in 20 alike by chance
+    assert exam != [draw(seed, secret="another sitting").planted for seed in range(40)]
+    assert len({draw(seed, secret=secret).planted for seed in range(300)}) == 20
+    missing = tmp_path / "nowhere.txt"
+    with pytest.raises(ValueError, match=f"{EXAM_SECRET_ENV}='{missing}' cannot be read .*or unset it"):
+        exam_secret({EXAM_SECRET_ENV: str(missing)})
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="is empty: write the secret in it"):
+        exam_secret({EXAM_SECRET_ENV: str(tmp_path / "empty.txt")})
 
 
 def test_on_a_simulated_node_every_seed_deals_the_two_mistakes_the_simulation_times():
