@@ -8,7 +8,8 @@
 * `questions.json`: the multiple-choice questions, as data, each pointing to the lab section that teaches it;
 * `generated.py`: numeric questions whose answers come from labkit's own formulas, fresh numbers per seed;
 * `show.py`: the widget quiz and the text form;
-* `terminal.py`: `labkit quiz`'s terminal loop (practice, or a timed mock exam) and its option checks.
+* `terminal.py`: `labkit quiz`'s terminal loop (practice, or a timed mock exam) and its option checks;
+* `scope.py`: which part of the certification exam the course covers, the map to labs and bank topics.
 """
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score

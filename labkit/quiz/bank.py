@@ -114,7 +114,25 @@ def grade(question: Question, answer: object) -> tuple[bool, str]:
             )
         ok = math.isclose(value, question.answer, rel_tol=question.tolerance, abs_tol=1e-12)
     verdict = "Right" if ok else f"Not quite: the answer is {question.correct}"
-    return ok, f"{verdict}. {question.explanation} (See {question.where}.)"
+    slip = "" if ok or question.kind == "choice" else unit_slip(question, value)
+    return ok, f"{verdict}.{slip} {question.explanation} (See {question.where}.)"
+
+
+# A binary unit and its decimal twin: 1 GiB = 2**30 bytes = 1.0737 GB, 1 MiB = 1.0486 MB (IEC 80000-13).
+_TWINS = {"GiB": ("GB", 2**30 / 1e9), "MiB": ("MB", 2**20 / 1e6), "GB/s": ("GiB/s", 1e9 / 2**30)}
+_TWINS.update({other: (unit, 1 / factor) for unit, (other, factor) in list(_TWINS.items())})
+
+
+def unit_slip(question: Question, value: float) -> str:
+    """ " Your number is the answer in GB, not GiB (...)." where `value` is the answer in the unit's decimal
+    (or binary) twin; "" otherwise."""
+    if question.unit not in _TWINS:
+        return ""
+    other, factor = _TWINS[question.unit]
+    if not math.isclose(value, question.answer * factor, rel_tol=max(question.tolerance, 1e-3)):
+        return ""
+    one = f"1 {question.unit} = {factor:.4g} {other}"
+    return f" Your number is the answer in {other}, not {question.unit} ({one}): a unit slip."
 
 
 def score(results: list[tuple[Question, bool]]) -> dict[str, tuple[int, int]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, grade, score
+from labkit.quiz.scope import SCOPE
 from labkit.widgets import displayed, widgets_can_render
 
 __all__ = ["mock_exam", "question_lines", "show", "text_form"]
@@ -60,15 +61,14 @@ def mock_exam(n: int = 20, seed: int = 0, minutes: float = 30.0, widgets: bool |
     """A timed mock exam over every topic, scored by topic: widgets in JupyterLab, else the text form."""
     questions = exam(n, seed)
     if not (widgets_can_render() if widgets is None else widgets):
-        text = f"Mock exam: {n} questions, {minutes:g} minutes, topics: {', '.join(TOPICS)}\n\n" + text_form(
-            questions
-        )
+        head = f"Mock exam: {n} questions, {minutes:g} minutes, topics: {', '.join(TOPICS)}\n{SCOPE}\n\n"
+        text = head + text_form(questions)
         print(text)
         return text
-    return displayed(_quiz_widget(questions, minutes=minutes))
+    return displayed(_quiz_widget(questions, minutes=minutes, scope=SCOPE))
 
 
-def _quiz_widget(questions: list[Question], minutes: float | None = None):
+def _quiz_widget(questions: list[Question], minutes: float | None = None, scope: str = ""):
     """One box per question (choices or a number, a check button, feedback), and the score by topic."""
     import ipywidgets as w
 
@@ -107,7 +107,7 @@ def _quiz_widget(questions: list[Question], minutes: float | None = None):
             w.VBox([w.HTML(f"<b>Q{i + 1}</b> <i>[{q.topic}]</i> {q.text}"), entry, button, feedback])
         )
     header = (
-        [w.HTML(f"<b>Mock exam</b>: {len(questions)} questions, {minutes:g} minutes from now")]
+        [w.HTML(f"<b>Mock exam</b>: {len(questions)} questions, {minutes:g} minutes from now"), w.HTML(scope)]
         if minutes
         else []
     )

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from labkit.quiz.bank import TOPICS, Question, bank, exam, exam_questions, grade, score
+from labkit.quiz.scope import SCOPE
 from labkit.quiz.show import question_lines
 
 __all__ = ["EXAM_MINUTES", "command_questions", "read_answer", "run_terminal"]
@@ -155,6 +156,7 @@ def _exam(
         f"Mock exam: {len(questions)} questions, time limit {_mmss(limit)} (min:s). "
         "Answers and explanations come at the end."
     )
+    say(SCOPE)
     start = clock()
 
     def late() -> bool:

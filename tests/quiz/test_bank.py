@@ -32,7 +32,8 @@ def test_the_key_is_seldom_the_only_longest_choice():
     60; 8 when this was written)."""
     choice = [q for q in quiz.bank() if q.kind == "choice"]
     cued = [
-        q.id for q in choice
+        q.id
+        for q in choice
         if (lengths := [len(c) for c in q.choices])[int(q.answer)] == max(lengths)
         and lengths.count(max(lengths)) == 1
     ]
@@ -85,6 +86,15 @@ def test_grading_says_why_and_where():
     assert quiz.score([(q, True), (n, False)])["all"] == (1, 2)
 
 
+def test_a_gb_for_gib_slip_is_named_and_not_counted():
+    gib = Question("q", "memory", "numeric", "How many GiB?", 10.0, "why", "02_oom_batch", "2", unit="GiB")
+    ok, text = quiz.grade(gib, 10.0 * 2**30 / 1e9)  # 10.74: the same bytes in GB
+    assert not ok and "Your number is the answer in GB, not GiB (1 GiB = 1.074 GB): a unit slip." in text
+    gbps = Question("b", "cluster", "numeric", "GB/s?", 100.0, "why", "00_cluster_tour", "3", unit="GB/s")
+    assert "the answer in GiB/s, not GB/s (1 GB/s = 0.9313 GiB/s)" in quiz.grade(gbps, 93.13)[1]
+    assert "unit slip" not in quiz.grade(gib, 12.0)[1] and "unit slip" not in quiz.grade(gib, 10.0)[1]
+
+
 def test_the_bank_re_exports_the_question_and_the_topics():
     import importlib
 
@@ -130,7 +140,9 @@ def test_practice_questions_stay_in_the_labs_quizzes_and_out_of_the_mock_exam():
     """Issue 46: four questions test how this course's code works, which no exam asks."""
     practice = {q.id for q in quiz.bank() if q.practice}
     assert practice == {
-        "pipeline-interleaved-memory", "memory-oom-retry", "communication-nccl-sync-return",
+        "pipeline-interleaved-memory",
+        "memory-oom-retry",
+        "communication-nccl-sync-return",
         "pipeline-greedy-balance",
     }
     from labkit.quiz.bank import exam_questions
