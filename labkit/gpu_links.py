@@ -4,9 +4,10 @@
 any two *visible* GPUs, since a ring over them is as fast as its slowest hop. Its bandwidth is
 the per-direction line rate: an `NV#` cell means # bonded NVLinks, each with the per-direction
 rate of the GPU's NVLink generation; other cells are PCIe at the generation's x16 rate. These are
-datasheet figures. What they mean as a limit (see `LIMIT_MEANING`): ring and tree all-reduce
-reach about 80 % of them (NVLink's protocol overhead); NCCL's NVLink SHARP (NVLS) all-reduce on
-NVSwitch nodes reduces inside the switch, and its *bus* bandwidth can go above the line rate.
+datasheet figures. What they mean as a limit (see `LIMIT_MEANING`): NCCL's ring all-reduce
+reaches about 80 % of them on NVLink 4 (protocol overhead; nccl-tests issue 212); NCCL's NVLink
+SHARP (NVLS) all-reduce on NVSwitch nodes reduces inside the switch, and its *bus* bandwidth can
+go above the line rate.
 The emulated cluster's links are in `labkit.links`.
 """
 
@@ -19,9 +20,11 @@ from labkit.links import Link
 
 __all__ = [
     "FAKE_CUDA_SUFFIX",
+    "HGX_H100_TOPO",
     "LIMIT_MEANING",
     "generation",
     "intra_node_link",
+    "nearest_nics",
     "pair_links",
     "parse_topo_matrix",
 ]
@@ -55,10 +58,10 @@ _PCIE_PATHS = {
 }
 
 LIMIT_MEANING = (
-    "the per-direction line rate of the slowest link between two visible GPUs (datasheet); ring and tree "
-    "algorithms reach about 80 % of it on NVLink (protocol overhead: nccl-tests issue 212 gives ~370 GB/s "
-    "of 450 on H100); NCCL's NVLS all-reduce on NVSwitch nodes reduces in the switch, and its bus bandwidth "
-    "can exceed the line rate (~480 GB/s on 8 x H100 or H200: nccl-tests issues 212 and 272)"
+    "the per-direction line rate of the slowest link between two visible GPUs (datasheet); NCCL's ring "
+    "reaches about 80 % of it on NVLink (protocol overhead: nccl-tests issue 212 gives ~370 GB/s of 450 on "
+    "H100 with NCCL_ALGO=RING); NCCL's NVLS all-reduce on NVSwitch nodes reduces in the switch, and its bus "
+    "bandwidth can exceed the line rate (~480 GB/s on 8 x H100 or H200: nccl-tests issues 212 and 272)"
 )
 
 
@@ -87,6 +90,52 @@ def parse_topo_matrix(matrix: str) -> dict[str, dict[str, str]]:
         elif columns and tokens[0].startswith("Legend"):
             break
     return table
+
+
+# The GPU rows of `nvidia-smi topo -m` on an HGX H100 node (8 x H100 SXM, 10 NICs), as posted in
+# NVIDIA/nccl issue 1264 (https://github.com/NVIDIA/nccl/issues/1264; its NIC rows and legend left out): NV18
+# between every pair (18 NVLink 4 links through the NVSwitches), one NIC on each GPU's own PCIe switch (PIX:
+# a "rail" per GPU), two more NICs (NIC3, NIC4) near no GPU, and the CPU socket (NUMA node) of each half.
+_AFFINITY = ["CPU Affinity", "NUMA Affinity"]
+_HEADER = ["", *(f"GPU{g}" for g in range(8)), *(f"NIC{n}" for n in range(10)), *_AFFINITY]
+_RAILS = (0, 1, 2, 5, 6, 7, 8, 9)  # the NIC on each GPU's PCIe switch
+HGX_H100_TOPO = "\n".join(
+    [
+        "\t".join(_HEADER),
+        *(
+            "\t".join(
+                [
+                    f"GPU{g}",
+                    *(" X " if j == g else "NV18" for j in range(8)),
+                    *("PIX" if n == _RAILS[g] else "SYS" for n in range(10)),
+                    "0-55,112-167" if g < 4 else "56-111,168-223",
+                    "0" if g < 4 else "1",
+                ]
+            )
+            for g in range(8)
+        ),
+    ]
+)
+
+# How far a path goes, nearest first: the order of nvidia-smi's legend and of NCCL's path types
+# (src/graph/topo.h: PATH_PIX < PATH_PXB < PATH_PHB < PATH_SYS; NODE sits between PHB and SYS).
+_DISTANCE = ("PIX", "PXB", "PHB", "NODE", "SYS")
+
+
+def nearest_nics(matrix: str) -> dict[int, list[str]]:
+    """{GPU index: the NICs nearest to it}, by the path `nvidia-smi topo -m` shows. NCCL's topology search
+    prefers a GPU's nearest NIC for its traffic between nodes, so a node with one PIX NIC per GPU has a rail
+    per GPU."""
+    table = parse_topo_matrix(matrix)
+    out = {}
+    for row, cells in table.items():
+        if not row.startswith("GPU"):
+            continue
+        nics = {col: cell for col, cell in cells.items() if col.startswith("NIC") and cell in _DISTANCE}
+        if nics:
+            best = min(_DISTANCE.index(c) for c in nics.values())
+            out[int(row[3:])] = [n for n, c in nics.items() if _DISTANCE.index(c) == best]
+    return out
 
 
 def _visible(env: str | None, count: int) -> list[int]:

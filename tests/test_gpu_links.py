@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.gpu_links import LIMIT_MEANING, generation, intra_node_link, pair_links, parse_topo_matrix
+from labkit.gpu_links import (
+    HGX_H100_TOPO,
+    LIMIT_MEANING,
+    generation,
+    intra_node_link,
+    nearest_nics,
+    pair_links,
+    parse_topo_matrix,
+)
 
 # The shape `nvidia-smi topo -m` prints (a DGX H100: every pair joined by 18 NVLinks over NVSwitch).
 DGX_H100 = """\
@@ -69,6 +77,18 @@ def test_the_slowest_visible_pair_decides_and_visible_devices_limit_the_pairs():
     # A SLURM job's cgroup shows nvidia-smi only its GPUs (renumbered) while CUDA_VISIBLE_DEVICES keeps the
     # node's numbers: the matrix is the job's, all of it is taken (it used to be none: a PCIe guess)
     assert intra_node_link(DGX1_V100, names, visible_env="4,6") == everything
+
+
+def test_an_hgx_h100_node_has_nvlink_between_every_pair_and_a_rail_per_gpu():
+    """NVIDIA/nccl issue 1264's node: 28 pairs all NV18 (450 GB/s per direction), each GPU's nearest NIC
+    its own (PIX), the two NICs near no GPU left out; a farther NIC is nearest only where none is closer."""
+    assert set(pair_links(HGX_H100_TOPO).values()) == {"NV18"} and len(pair_links(HGX_H100_TOPO)) == 28
+    assert intra_node_link(HGX_H100_TOPO, ["NVIDIA H100 80GB HBM3"], "").bandwidth_gb_s == 450.0
+    nics = nearest_nics(HGX_H100_TOPO)
+    assert nics == {g: [f"NIC{n}"] for g, n in enumerate((0, 1, 2, 5, 6, 7, 8, 9))}
+    shared = "\tGPU0\tGPU1\tNIC0\tNIC1\nGPU0\t X \tNV4\tNODE\tSYS\nGPU1\tNV4\t X \tNODE\tSYS\n"
+    assert nearest_nics(shared) == {0: ["NIC0"], 1: ["NIC0"]}  # two GPUs behind one NIC: no rail each
+    assert nearest_nics("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \n") == {}
 
 
 def test_pcie_only_nodes_and_missing_matrices():

@@ -1,5 +1,6 @@
 """Numbers in the labs' prose against their sources: NCCL's per-protocol buffers (lab 02, from NCCL's
-`src/init.cc` and `src/include/device.h`) and the ring's share of NVLink (lab 00, nccl-tests issue 212)."""
+`src/init.cc` and `src/include/device.h`), the ring's share of NVLink (lab 00, nccl-tests issue 212), and lab 00's
+cited `nvidia-smi topo -m` and NCCL variables."""
 
 from __future__ import annotations
 
@@ -34,3 +35,26 @@ def test_lab_00_gives_the_ring_its_measured_share_of_nvlink(repo):
     ring, line = 370, 450  # GB/s: NCCL_ALGO=RING on 8 x H100 (nccl-tests issue 212), NVLink 4's 18 x 25
     assert f"~{ring} of {line} GB/s" in text and "NCCL_ALGO=RING" in text
     assert abs(ring / line - 0.80) < 0.03 and "about 80 %" in text
+
+
+def test_lab_00_reads_a_cited_node_and_names_the_nccl_variables_an_engineer_sets(repo):
+    topo = _text(repo, "00_cluster_tour", "reading `nvidia-smi topo -m`")
+    assert "https://github.com/NVIDIA/nccl/issues/1264" in topo and "18 x 25 GB/s = 450 GB/s" in topo
+    for cell in ("PIX", "PXB", "PHB", "NODE", "SYS"):
+        assert f"| `{cell}` |" in topo
+    nb = json.loads((repo / "solutions" / "00_cluster_tour.ipynb").read_text(encoding="utf-8"))
+    assert any(
+        "nearest_nics(HGX_H100_TOPO)" in "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+    )
+    env = _text(repo, "00_cluster_tour", "The NCCL variables you will meet")
+    assert "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html" in env
+    for name in (
+        "NCCL_DEBUG",
+        "NCCL_ALGO",
+        "NCCL_PROTO",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "NCCL_NVLS_ENABLE",
+    ):
+        assert f"`{name}" in env, name
+    assert "`NCCL_P2P_LEVEL`" in env and "experiments only" in env
