@@ -298,13 +298,11 @@ def _cases(cap: Capstone) -> list[tuple[TrainingJob, Diagnosis, Mistake, Mistake
     for i, m in enumerate(mistakes):
         job = m.plant(base, cap.world_size, rng)
         rank = job.eval_rank if m.name == "straggler" else None
-        cases.append(
-            (job, Diagnosis(m.diagnosed_as, rank, f"(a {m.name} planted by the check)", []), m, None)
-        )
+        cases.append((job, Diagnosis(m.diagnosed_as, rank, f"{m.shows} (a job of the check's)", []), m, None))
         other = mistakes[(i + 1) % len(mistakes)]
         both = other.plant(job, cap.world_size, rng)
         cases.append(
-            (both, Diagnosis(m.diagnosed_as, rank, f"(a {m.name} planted by the check)", []), m, other)
+            (both, Diagnosis(m.diagnosed_as, rank, f"{m.shows} (a job of the check's)", []), m, other)
         )
     return cases
 
@@ -349,7 +347,12 @@ def check_fix(fn: Callable[[TrainingJob, Diagnosis], TrainingJob], cap: Capstone
             if f.name not in knobs and getattr(got, f.name) != getattr(job, f.name)
         ]
         if changed:
-            raise AssertionError(f"{call}: {_why_changed(got, job, cap, changed, other, sorted(knobs))}")
+            raise AssertionError(f"{call}: {_why_changed(got, job, cap, changed, other, mistake)}")
+        if got == job:
+            raise AssertionError(
+                f"{call} returned the job unchanged. The finding measured that {mistake.shows}. Which of "
+                "the job's knobs makes that? print(job) shows them; section 1's table says what each sets"
+            )
         _check_knob(call, got, job, mistake)
     return len(cases)
 
@@ -360,10 +363,10 @@ def _why_changed(
     cap: Capstone,
     changed: list[str],
     other: Mistake | None,
-    knobs: list[str],
+    mistake: Mistake,
 ) -> str:
     """Why knobs the finding does not point to changed: a second mistake fixed too, a fresh start from
-    cap.job, the clean job copied, or just changed; `knobs`: those the finding does point to."""
+    cap.job, the clean job copied, or just changed; `mistake`: the one the finding does point to."""
     was = ", ".join(f"{k} {getattr(job, k)!r} -> {getattr(got, k)!r}" for k in changed)
     if other is not None and other.knob in changed and not other.planted_in(got):
         return (
@@ -381,8 +384,13 @@ def _why_changed(
         )
     if telling and all(getattr(got, k) == getattr(cap.clean, k) for k in changed):
         return f"it changed {was}, to the clean job's values: cap.clean is the answer key; fix the job given"
+    # the evidence first (choosing the knob from the measurement is the exercise), then the knob (issue 44)
+    knobs = [mistake.knob] + (["eval_samples"] if mistake.name == "straggler" else [])
     behind = " and ".join(f"job.{k} (now {getattr(job, k)!r})" for k in knobs)
-    return f"it changed {was}, which the finding does not point to: change only the knob behind it, {behind}"
+    return (
+        f"it changed {was}, which does not make what this finding measured ({mistake.shows}): put it back; "
+        f"the knob that makes it is {behind}"
+    )
 
 
 def _check_knob(call: str, got: TrainingJob, job: TrainingJob, mistake: Mistake) -> None:

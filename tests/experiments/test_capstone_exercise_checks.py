@@ -145,7 +145,7 @@ WRONG_FIXES = {
         lambda cap: fix_by(
             knobs={**_KNOBS, "data_loading": {"accuracy": "local"}, "sync_collective": {"tokenize": "ahead"}}
         ),
-        "left tokenize='in_loader' (unchanged)",
+        "unchanged. The finding measured that a large share of the step goes to loading data",
     ),
     "labkit's fixes": (
         lambda cap: lambda job, finding: by_diagnosis(finding.kind).fixed(job),
@@ -160,10 +160,14 @@ WRONG_FIXES = {
         "reads the right values from labkit.training.MISTAKES",
     ),
     "nothing returned": (lambda cap: lambda job, finding: None, "returned None"),
+    "the job returned as it was": (
+        lambda cap: lambda job, finding: job,
+        "returned the job unchanged. The finding measured that",
+    ),
     # issue 44: a knob of its own choosing is refused with the one the finding points to
     "a bigger bucket for per-tensor all-reduces": (
         lambda cap: fix_by(knobs=_with("small_collectives", {"bucket_cap_mb": 100.0})),
-        "change only the knob behind it, job.grad_sync (now 'per_tensor')",
+        "the knob that makes it is job.grad_sync (now 'per_tensor')",
     ),
 }
 

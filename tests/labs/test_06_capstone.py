@@ -136,6 +136,14 @@ FIX_MISTAKES = {
         "one fix per finding",
     ),
     "the metric dropped": ({'{"accuracy": "local"}': '{"accuracy": "none"}'}, "left accuracy='none'"),
+    "a knob the evidence does not point to": (
+        {'"data_loading": {"tokenize": "ahead"}': '"data_loading": {"lr": job.lr / 2}'},
+        "which does not make what this finding measured (a large share of the step goes to loading data",
+    ),
+    "nothing changed": (
+        {'"small_collectives": {"grad_sync": "ddp"}': '"small_collectives": {}'},
+        "returned the job unchanged. The finding measured that one collective per gradient after backward",
+    ),
     "labkit's own answer": (
         {("    knobs = {", "**knobs[finding.kind])"): "    return by_diagnosis(finding.kind).fixed(job)"},
         "MISTAKES[...].fixed, labkit's own answer",
