@@ -259,8 +259,10 @@ def estimate(
     backward; kept block inputs + one recomputed block and its backward temporaries + the
     gradients of later blocks (with checkpointing); the gradients (optimizer step).
     On small lab models this matched ``measure`` within 1 % without and within 4 % with
-    checkpointing (see tests). Not counted: ZeRO-3's gathered layers, communication
-    buckets, allocator overheads, and the for-loop Adam's temporaries (torch's default on CPU
+    checkpointing (see tests). ZeRO-3 adds its working set to backward: two blocks and the
+    root whole, and their gradients before the reduce-scatter (``_zero3_gathered``; FSDP2 on the
+    emulated cluster measured within 1 %). Not counted: communication buckets, allocator
+    overheads, and the for-loop Adam's temporaries (torch's default on CPU
     tensors: a copy or two of the largest tensor).
 
     ``foreach``: the optimizer runs torch's for-each implementation, which torch.optim picks for
@@ -363,6 +365,20 @@ def _embedding_params(config: GPTConfig) -> int:
     return (config.vocab_size + positions) * config.d_model
 
 
+def _zero3_gathered(
+    config: GPTConfig, tp: int, blocks: int, n: int, has_head: bool, p_bytes: int, g_bytes: int
+) -> int:
+    """ZeRO-3's working set early in backward, whole on every rank beside the shards: the parameters of the
+    block being computed and of the next one, gathered ahead (FSDP2 prefetches one unit), and the root's own
+    (embedding, head, final norm), which FSDP2 does not reshard after forward (`fully_shard`'s docstring);
+    the gradients of the two blocks, unsharded until their reduce-scatters, and the head's, the first the
+    root's backward makes (the embedding's comes at the end, when the blocks are resharded)."""
+    block = _block_params(config, tp) if blocks else 0
+    params = 2 * block + (n - blocks * block)
+    head = config.vocab_size * config.d_model if has_head else 0
+    return params * p_bytes + (2 * block + head) * g_bytes
+
+
 def _block_params(config: GPTConfig, tp: int) -> int:
     """One block's parameters on one of `tp` ranks."""
     d, f = config.d_model, config.ffn_dim
@@ -415,6 +431,8 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k
             config, k.micro_batch, seq, k.precision, k.checkpointing, k.activations, live_grads, k.tp, blocks,
             in_flight, has_head, stage, n, k.sequence_parallel,
         )
+        if k.zero_stage >= 3 and k.dp > 1:
+            peak_of_backward += _zero3_gathered(config, k.tp, blocks, n, has_head, p_bytes, g_bytes)
         if peak_of_backward >= transient:
             transient, moment = peak_of_backward, backward_moment
     peak = param_mem + opt_mem + (grad_mem if k.keep_grads else 0) + transient

@@ -23,7 +23,7 @@ from labkit import _torch_compat as compat
 from labkit import validate
 from labkit.emulate.allocator import CachingAllocator
 from labkit.emulate.clock import rank_clock
-from labkit.emulate.simulated_device import SimulatedDevice
+from labkit.emulate.simulated_device import SimulatedDevice, storage_resized
 
 __all__ = ["MemoryBudget", "active_budget"]
 
@@ -96,45 +96,77 @@ class MemoryBudget(compat.TorchDispatchMode):
         # a storage and call _release on this thread: an RLock lets it in, and it only queues.
         self._lock = threading.RLock()
         self._busy = False
-        self._pending: list[tuple[int, int]] = []
+        self._pending: list[int] = []  # storage keys freed while the lock's holder was busy
+        compat.report_storage_resizes(storage_resized)
 
     def _count(self, t: torch.Tensor) -> None:
+        if compat.is_wrapper_subclass(t):
+            # A DTensor (FSDP2's sharded parameters and gradients): its own storage has the global shape and
+            # no memory; the local shards inside hold it
+            for local in compat.tree_leaves(compat.unwrapped(t)):
+                self._count(local)
+            return
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta or compat.is_fake(t):
             return  # a FakeTensor (a simulated rank's, under CI's fake CUDA budget too) holds no memory
         try:
             storage = t.untyped_storage()
         except (NotImplementedError, RuntimeError):
             return
-        key = storage.data_ptr()
+        # keyed by the storage object, not its address: a storage resized in place (FSDP2) moves its memory
+        key = id(storage)
         size = storage.nbytes()
-        if key == 0 or size == 0:
+        if size == 0:
             return
         with self._lock:
-            if key in self._seen:
-                return
             self._busy = True
             try:
-                if self.allocator is not None:
-                    self._handles[key] = self.allocator.malloc(size)  # its OOM is the budget's
-                elif self.allocated + size > self.limit_bytes:
-                    in_use = self.allocated
-                    raise torch.OutOfMemoryError(
-                        f"{self.device_name} out of memory (emulated budget). Tried to allocate "
-                        f"{_fmt(size)}. Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of "
-                        f"which {_fmt(self.limit_bytes - in_use)} is free. {_fmt(in_use)} is allocated by "
-                        "live tensors. Reduce the micro-batch, accumulate gradients, use bf16 autocast or "
-                        "activation checkpointing; see labkit.memory."
-                    )
-                self._seen[key] = size
-                self.allocated += size
-                self.peak = max(self.peak, self.allocated)
+                self._drain()  # a release queued under a collection first: its id may be this storage's now
+                self._busy = True
+                if key in self._seen:
+                    return
+                self._take(key, size)
             finally:
                 self._drain()
-        weakref.finalize(storage, self._release, key, size)
+        weakref.finalize(storage, self._release, key)
 
-    def _release(self, key: int, size: int) -> None:
+    def _take(self, key: int, size: int) -> None:
+        """`size` more bytes for storage `key`, or the OOM; called holding the lock."""
+        if self.allocator is not None:
+            self._handles[key] = self.allocator.malloc(size)  # its OOM is the budget's
+        elif self.allocated + size > self.limit_bytes:
+            in_use = self.allocated
+            raise torch.OutOfMemoryError(
+                f"{self.device_name} out of memory (emulated budget). Tried to allocate "
+                f"{_fmt(size)}. Rank {self.rank} has a total capacity of {_fmt(self.limit_bytes)} of "
+                f"which {_fmt(self.limit_bytes - in_use)} is free. {_fmt(in_use)} is allocated by "
+                "live tensors. Reduce the micro-batch, accumulate gradients, use bf16 autocast or "
+                "activation checkpointing; see labkit.memory."
+            )
+        self._seen[key] = size
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """`storage` now holds `nbytes`: FSDP2 frees an unsharded parameter's memory and takes it back with
+        `untyped_storage().resize_`, which no operator dispatch sees (`compat.report_storage_resizes`)."""
+        key = id(storage)
         with self._lock:
-            self._pending.append((key, size))
+            known = key in self._seen
+            self._pending.append(key)  # the old size, whatever it was, is freed first
+            self._busy = True
+            try:
+                self._drain()
+                self._busy = True
+                if nbytes:
+                    self._take(key, nbytes)
+            finally:
+                self._drain()
+        if not known and nbytes:
+            weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._pending.append(key)
             if not self._busy:  # else this thread is inside _count or _drain, which drains the queue
                 self._busy = True
                 self._drain()
@@ -143,9 +175,9 @@ class MemoryBudget(compat.TorchDispatchMode):
         """Apply the queued releases; called holding the lock with `_busy` set, which it clears."""
         try:
             while self._pending:
-                key, size = self._pending.pop()
-                if self._seen.get(key) == size:
-                    del self._seen[key]
+                key = self._pending.pop()
+                size = self._seen.pop(key, None)
+                if size is not None:
                     self.allocated -= size
                     if self.allocator is not None:
                         self.allocator.free(self._handles.pop(key))

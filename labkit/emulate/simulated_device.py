@@ -42,7 +42,7 @@ from labkit import op_time
 from labkit.emulate.clock import VirtualClock
 from labkit.op_time import GpuSpec
 
-__all__ = ["OpTimes", "SimulatedDevice", "active_simulated_device"]
+__all__ = ["OpTimes", "SimulatedDevice", "active_simulated_device", "storage_resized"]
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
@@ -129,7 +129,7 @@ class SimulatedDevice(compat.TorchDispatchMode):
         self.allocated = 0
         self.peak = 0
         self._live: dict[int, int] = {}  # id of a live storage -> its bytes
-        compat.report_storage_resizes(_storage_resized)
+        compat.report_storage_resizes(storage_resized)
         self._host_s = 0.0  # when the host will have issued every operator so far, on the device's timeline
         self._device_s = 0.0  # the device's time without a clock (one process, no rank)
 
@@ -288,9 +288,14 @@ class SimulatedDevice(compat.TorchDispatchMode):
         return out
 
 
-def _storage_resized(storage: torch.UntypedStorage, nbytes: int) -> None:
-    if (device := active_simulated_device()) is not None:
-        device.resized(storage, nbytes)
+def storage_resized(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Tell the innermost mode that holds storages to a budget (a SimulatedDevice, or the emulated cluster's
+    MemoryBudget: both have `resized`) that `storage` now holds `nbytes`."""
+    for mode in reversed(compat.dispatch_mode_stack()):
+        resized = getattr(mode, "resized", None)
+        if resized is not None:
+            resized(storage, nbytes)
+            return
 
 
 def active_simulated_device() -> SimulatedDevice | None:

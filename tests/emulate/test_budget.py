@@ -112,3 +112,40 @@ def test_budget_with_an_allocator_frees_reserves_and_resets():
         ValueError, match=r"MemoryBudget allocator='cuda' must be one of 'caching', 'expandable'"
     ):
         MemoryBudget(32 * MiB, allocator="cuda")
+
+
+def test_a_storage_resized_in_place_frees_and_takes_back_its_bytes():
+    # FSDP2 frees a gathered parameter so (free_storage / alloc_storage), keeping the tensor; with the caching
+    # allocator's model too, whose segment the resize must give back and take again
+    for allocator in (None, "caching"):
+        with MemoryBudget(512 * 2**20, allocator=allocator) as budget:
+            t = torch.zeros(32, 2**20, dtype=torch.float32)  # 128 MiB
+            t.untyped_storage().resize_(0)
+            assert budget.allocated == 0 and budget.peak == 128 * 2**20, allocator
+            t.untyped_storage().resize_(256 * 2**20)
+            assert budget.allocated == 256 * 2**20 == budget.peak, allocator
+            with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+                t.untyped_storage().resize_(1024 * 2**20)
+            del t
+            assert budget.allocated == 0, allocator
+
+
+def test_a_dtensor_costs_its_local_shard_not_its_global_shape():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        with MemoryBudget(64 * 2**20) as budget:
+            local = torch.zeros(1024, 1024)  # 4 MiB: this rank's quarter of a 4096 x 1024 parameter
+            d = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=(4096, 1024), stride=(1024, 1)
+            )
+            budget.track(d)
+            e = d * 2
+            assert isinstance(e, DTensor) and e.shape == (4096, 1024)
+            assert budget.allocated == 8 * 2**20  # two local 4 MiB shards, not two 16 MiB wholes
+    finally:
+        dist.destroy_process_group()
