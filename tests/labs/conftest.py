@@ -56,7 +56,9 @@ def run_solution(tmp_path: Path) -> Callable[..., dict[str, Any]]:
 
 
 @pytest.fixture
-def run_on_fake_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[dict[str, Any], str]]:
+def run_on_fake_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., tuple[dict[str, Any], str]]:
     """`run_on_fake_cuda(lab, gpus=2, **overrides)`: the solution notebook's real-GPU branch, run with papermill
     on CI's fake CUDA machine of `gpus` GPUs (`labkit.emulate.fake_cuda`: torch.cuda's memory API on labkit's
     caching-allocator model, tensors on the CPU, collectives on the virtual clock) with cluster "auto", its
@@ -147,10 +149,22 @@ def simulated_lab(tmp_path: Path) -> Callable[..., dict[str, Any]]:
 
     def run(lab: str, n: int, *args: str, timeout: float = 300) -> dict[str, Any]:
         out = tmp_path / f"{lab}_sim{n}.json"
-        cmd = [sys.executable, "-m", registry.module_of(lab), "--cluster", "sim:dgx-h100", "--world-size", str(n)]
+        cmd = [
+            sys.executable,
+            "-m",
+            registry.module_of(lab),
+            "--cluster",
+            "sim:dgx-h100",
+            "--world-size",
+            str(n),
+        ]
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [*cmd, "--out", str(out), *args], capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+            [*cmd, "--out", str(out), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp_path,
             env=_env(),
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -82,7 +82,9 @@ def test_the_sweep_is_held_to_the_alpha_beta_model_only_where_collectives_run_on
 
     link = Link(1.0, 10.0)
     assert Machine(Cluster.emulated(intra_node=link, inter_node=link), 2).collectives_modelled
-    assert not Machine(Cluster.emulated(intra_node=link, inter_node=link, clock="wall"), 2).collectives_modelled
+    assert not Machine(
+        Cluster.emulated(intra_node=link, inter_node=link, clock="wall"), 2
+    ).collectives_modelled
     assert Machine(NODE, 8).collectives_modelled and node(f"H100 {FAKE_CUDA_SUFFIX}").collectives_modelled
     assert not node("NVIDIA H100 80GB HBM3").collectives_modelled
 
@@ -91,7 +93,7 @@ def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_s
     lab_matches_solution(LAB)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2])  # one size: labs 01 and 04, whose layouts and stages differ, run both
 def test_the_script_under_torchrun(torchrun_lab, check_common, n):
     proc, rec = torchrun_lab(LAB, n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

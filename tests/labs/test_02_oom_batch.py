@@ -24,16 +24,6 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
     expect(run_solution(LAB), check_common)
 
 
-def test_the_script_on_a_simulated_dgx_h100_node_fits_the_fixed_step_in_the_budget(simulated_lab):
-    """Eight simulated H100s held to the lab's GPU budget (64 MiB above the baseline): the step as first
-    written needs far more, the fixed one fits, counted from the tensors' sizes (OverlappedDDP stands in for
-    torch DDP there, whose C++ reducer needs storage)."""
-    rec = simulated_lab(LAB, 8)
-    assert rec["where"] == "simulated H100-SXM5-80GB" and rec["grad_sync"] == "overlapped"
-    assert rec["after"] <= rec["limit"] == GPU_MEMORY_MIB < rec["before"] and rec["fits"]
-    assert rec["after"] == pytest.approx(rec["estimate_after_mib"], rel=0.15)
-
-
 def test_the_notebook_on_a_simulated_node_checks_gradients_emulated_and_fits_the_fixed_step(run_solution):
     """cluster="sim:dgx-h100", 2 ranks at the GPU sizes (64 MiB each, 64 sequences per rank): the step as first
     written runs out of the simulated card's budget, the accumulation exercise is checked on the emulated
@@ -48,7 +38,9 @@ def test_the_notebook_on_a_simulated_node_checks_gradients_emulated_and_fits_the
 
 
 @pytest.mark.fake_cuda
-def test_the_notebooks_gpu_branch_runs_out_then_fits_the_fixed_step_with_a_large_segment_to_spare(run_on_fake_cuda):
+def test_the_notebooks_gpu_branch_runs_out_then_fits_the_fixed_step_with_a_large_segment_to_spare(
+    run_on_fake_cuda,
+):
     """The notebook's real-GPU branch on CI's fake CUDA machine (torch.cuda's memory API on labkit's model of
     the caching allocator) at lab 02's GPU sizes: the step as written runs out with CUDA's message, the fixed
     step fits under the cap on *reserved* memory with one large segment (20 MiB) to spare, which the 48 MiB cap
@@ -67,14 +59,16 @@ def test_the_notebooks_gpu_branch_runs_out_then_fits_the_fixed_step_with_a_large
     assert rec["limit"] - rec["reserved_peak_after_mib"] >= LARGE_SEGMENT_BYTES / 2**20
     for ratio in rec["estimate_over_measured"].values():
         assert ratio == pytest.approx(1, abs=0.05)
-    assert rec["allreduces_per_step_without_no_sync"] > rec["allreduces_per_step_no_sync"] == rec["ddp_buckets"]
+    assert (
+        rec["allreduces_per_step_without_no_sync"] > rec["allreduces_per_step_no_sync"] == rec["ddp_buckets"]
+    )
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
     lab_matches_solution(LAB)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2])  # one size: labs 01 and 04, whose layouts and stages differ, run both
 def test_the_script_under_torchrun(torchrun_lab, check_common, n):
     proc, rec = torchrun_lab(LAB, n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -111,7 +111,7 @@ def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_s
     lab_matches_solution(LAB)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2])  # one size: labs 01 and 04, whose layouts and stages differ, run both
 def test_the_script_under_torchrun(torchrun_lab, check_common, n):
     proc, rec = torchrun_lab(LAB, n)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
