@@ -104,8 +104,20 @@ class _LayoutRun:
     """One layout on this rank: its groups, its shard of the seeded GPT (tp) and its stage (pp), Adam."""
 
     def __init__(
-        self, config: GPTConfig, layout: Layout, global_batch: int, micro_batch: int, seed: int, lr: float
+        self,
+        config: GPTConfig,
+        layout: Layout,
+        global_batch: int,
+        micro_batch: int,
+        seed: int,
+        lr: float,
+        zero3: bool = False,
     ) -> None:
+        if zero3 and (layout.tp > 1 or layout.pp > 1 or layout.dp == 1):
+            raise ValueError(
+                f"zero3=True shards the model over data parallelism alone, on 2 or more ranks; {layout} "
+                "is not that: use Layout(dp=world_size)"
+            )
         if global_batch % (layout.dp * micro_batch):
             raise ValueError(
                 f"global_batch={global_batch} must split into dp={layout.dp} replicas of "
@@ -125,6 +137,12 @@ class _LayoutRun:
         model = seeded_model(config, seed, self.dev)
         if layout.tp > 1:
             tensor_parallel(model, self.groups.tp, self.tp_stats)
+        self.zero3 = zero3
+        self.whole_params = sum(p.numel() for p in model.parameters())
+        if zero3:  # FSDP2: parameters, gradients and Adam's states sharded over the dp group (ZeRO-3)
+            from labkit.parallel.fsdp import fully_sharded  # torch.distributed.fsdp: 0.8 s to import
+
+            fully_sharded(model, self.groups.dp)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.log: StageLog | None = None
         if layout.pp > 1:
@@ -169,6 +187,12 @@ class _LayoutRun:
         tp, c = self.layout.tp, self.groups.coords
         want = shard_state(reference.grads, self.config, c["tp"], tp) if tp > 1 else reference.grads
         error = 0.0
+        if self.zero3:  # each rank holds shards: gather the whole gradients (a collective on every rank)
+            from labkit.parallel.fsdp import full_gradients
+
+            for name, g in full_gradients(self.module).items():
+                error = max(error, (g - want[name].to(g.device)).abs().max().item())
+            return error, None
         for p in self.params:  # a stage holds the GPT's own parameters: their names are the GPT's
             if p.grad is not None:
                 error = max(error, (p.grad - want[self.names[id(p)]].to(p.grad.device)).abs().max().item())
@@ -181,6 +205,12 @@ class _LayoutRun:
         """Bytes each parallelism put on the wire in the last step (ring all-reduce: 2(n-1)/n of the
         buffer)."""
         tp, dp = self.layout.tp, self.layout.dp
+        if self.zero3:
+            # two all-gathers of the parameters (forward, backward) and a reduce-scatter of the gradients,
+            # each (n-1)/n of the fp32 model per rank: 1.5 times an all-reduce's 2(n-1)/n (Rajbhandari et
+            # al. 2020, section 7.2.2)
+            dp_bytes = int(3 * self.whole_params * 4 * bus_bandwidth_factor("all_gather", dp))
+            return {"tp": 0, "pp": 0, "dp": dp_bytes}
         return {
             "tp": int(self.tp_stats.bytes * (bus_bandwidth_factor("all_reduce", tp) if tp > 1 else 0)),
             "pp": self.log.sent_bytes if self.log is not None else 0,
@@ -199,21 +229,24 @@ def layout_steps(
     seed: int = 0,
     lr: float = 1e-3,
     reference: Reference | None = None,
+    zero3: bool = False,
 ) -> LayoutRankResult:
     """Train `steps` + `warmup` steps under `layout` on this rank; see the module docstring.
 
     `reference`: `labkit.training.reference.reference_gradients(config, global_batch, seed=seed)` (computed
-    once, by the caller), to compare this rank's first-step gradients and loss with."""
-    run = _LayoutRun(config, layout, global_batch, micro_batch, seed, lr)
+    once, by the caller), to compare this rank's first-step gradients and loss with. `zero3`: shard the model
+    over the data-parallel ranks with FSDP2 (`labkit.parallel.fsdp`) instead of all-reducing whole gradients
+    (a layout of data parallelism alone)."""
+    run = _LayoutRun(config, layout, global_batch, micro_batch, seed, lr, zero3)
     cluster = runtime.current_cluster()
     result = LayoutRankResult(
         dist.get_rank(),
-        str(layout),
+        f"{layout} (FSDP)" if zero3 else str(layout),
         run.groups.coords,
         [],
         {"intra": 0, "inter": 0},
         {},
-        sum(p.numel() for p in run.params),
+        sum((p.to_local() if zero3 else p).numel() for p in run.params),  # FSDP: this rank's shards
         label=cluster.label if cluster else "",
     )
     device_memory.reset_peak_memory_stats()
@@ -225,7 +258,7 @@ def layout_steps(
         dist.barrier()  # a common start: the step ends with its slowest rank
         t0 = timer.clock()
         losses = run.forward_backward(step)
-        dp_bytes = _dp_all_reduce(run.params, run.groups.dp, layout.dp) if layout.dp > 1 else 0
+        dp_bytes = _dp_all_reduce(run.params, run.groups.dp, layout.dp) if layout.dp > 1 and not zero3 else 0
         checked = 0.0
         if reference is not None and step == 0:
             c0 = timer.clock()

@@ -50,6 +50,15 @@ def test_every_layout_matches_one_process():
     assert torch.get_num_threads() == 1
 
 
+def test_zero3_is_a_layout_of_data_parallelism_alone():
+    """FSDP (`layout_steps(..., zero3=True)`) shards over the data-parallel group: with tp or pp there is no
+    such group of every rank, and it is refused before any rank starts. (Its gradients against one process
+    and its memory are lab 01's notebook's, tests/labs/test_01_parallelism_choice.py.)"""
+    for lay in (Layout(1, 2, 1), Layout(1, 1, 2), Layout(1, 1, 1)):
+        with pytest.raises(ValueError, match="zero3=True shards the model over data parallelism alone"):
+            parallelism_choice._LayoutRun(CONFIG, lay, 16, 2, 0, 1e-3, zero3=True)
+
+
 def test_measure_rates_times_the_step_on_the_ranks_timer(monkeypatch):
     # labkit.timer.clock, here a fake counter 10 ms per reading: forward + backward and Adam take a tick each
     ticks = iter(range(10**6))

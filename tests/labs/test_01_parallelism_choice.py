@@ -36,6 +36,12 @@ def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_s
         assert [r["model"] for r in table] == ["1.7B", "3.6B", "7.5B", "18.4B"]
         assert all(1 / 1.5 < r["simulated_tflops"] / r["paper_tflops"] < 1.5 for r in table)
         assert {r["label"] for r in table} == {"simulated A100-SXM4-80GB"}
+    if not torchrun:  # FSDP over every rank fits the budget plain data parallelism runs out of, same gradients
+        fsdp = rec["fsdp"]
+        assert fsdp["fits"] and fsdp["peak_mib"] <= fsdp["memory_mib"] and fsdp["grad_error"] < 1e-4
+        assert fsdp["peak_mib"] == pytest.approx(fsdp["estimate_mib"], rel=0.15)
+        if rec["emulated"]:  # its group spans the nodes' one slow port: more bytes between nodes than the pick's
+            assert fsdp["inter_MiB"] > fsdp["pick_inter_MiB"] and fsdp["step_ms"] > rec["after"]
     if torchrun and world_size == 2:
         assert layouts == {"dp2 x tp1 x pp1", "dp1 x tp2 x pp1", "dp1 x tp1 x pp2"}
 
@@ -75,6 +81,9 @@ def test_on_fake_cuda_the_notebook_runs_on_the_node_and_its_pick_beats_the_mista
     assert tp_all["inter_MiB"] == 0 < tp_all["intra_MiB"]
     assert rec["pick"] != tp_all["layout"] and lesson_shows(rec["before"], rec["after"], rec["limit"]), rec
     assert "check passed: after/before = " in text
+    # FSDP over two GPUs halves the states, too little for this budget: the notebook says so from the estimate
+    assert not rec["fsdp"]["fits"] and rec["fsdp"]["estimate_mib"] > rec["fsdp"]["memory_mib"]
+    assert "FSDP over 2 GPUs does not fit either: ZeRO-3 estimate" in text
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
