@@ -100,7 +100,8 @@ def test_a_parameter_goes_only_to_the_labs_that_have_it(tmp_path, monkeypatch):
 
 
 def test_an_unreadable_exam_secret_is_refused_before_any_kernel(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv(EXAM_SECRET_ENV, raising=False)  # grade sets it for its kernels: put back after
+    # grade sets it in this process for its kernels: setenv makes monkeypatch put the unset variable back
+    monkeypatch.setenv(EXAM_SECRET_ENV, "")
     calls = _recorded(monkeypatch)
     folder = _lab_folder(tmp_path, [("alice", "06_capstone")])
     assert main(["grade", str(folder), "--exam-secret", str(tmp_path / "nowhere.txt")]) == EXIT_USAGE

@@ -96,7 +96,7 @@ def test_the_script_deals_the_simulated_capstone_on_a_simulated_node(monkeypatch
     where = Where(2, sim, 1, 2, torchrun=False, on_gpu=False, label=sim.label)
     with pytest.raises(Dealt):
         capstone.headline(where, capstone.Params(cluster="sim:dgx-h100"))
-    assert asked == {"world_size": 2, "on_gpu": False, "simulated": True}
+    assert asked == {"world_size": 2, "on_gpu": False, "simulated": True, "secret": None}  # no exam secret
 
 
 def test_the_gpu_memory_fits_the_clean_job_and_its_logging_but_not_the_whole_batch(tmp_path):
