@@ -48,7 +48,7 @@ from typing import Protocol
 import torch
 
 from labkit.cluster import Cluster
-from labkit.links import Link, Topology, bus_bandwidth_factor, collective_time_s
+from labkit.links import Link, bus_bandwidth_factor, collective_time_s
 from labkit.models import GPT, GPTConfig
 from labkit.op_time import FP32_PEAK_TFLOPS  # the labs train in fp32 with TF32 off: this rate
 from labkit.pipeline_plan import (
@@ -189,41 +189,26 @@ class Forecast:
         )
 
 
-def bus_bandwidth_gb_s(nbytes: int, world_size: int, link: Link | Topology) -> float:
-    """The modelled all-reduce bus bandwidth (GB/s) of an `nbytes` message on `world_size` ranks: the α-β
-    ring over `link`, or over a `Topology`'s first `world_size` ranks its fastest form (rings over the rails,
-    or NVLS where the node has it, as NCCL picks)."""
-    if isinstance(link, Topology):
-        return link.bus_bandwidth_gb_s("all_reduce", nbytes, list(range(world_size)))
+def bus_bandwidth_gb_s(nbytes: int, world_size: int, link: Link) -> float:
+    """The α-β ring model's all-reduce bus bandwidth (GB/s) of an `nbytes` message on `world_size` ranks."""
     seconds = collective_time_s("all_reduce", nbytes, world_size, link)
     return nbytes / seconds / 1e9 * bus_bandwidth_factor("all_reduce", world_size)
 
 
-def bandwidth_forecast(
-    sizes: list[int], world_size: int, link: Link | Topology, *, where: str = ""
-) -> Forecast:
+def bandwidth_forecast(sizes: list[int], world_size: int, link: Link, *, where: str = "") -> Forecast:
     """Lab 00 on paper: all-reduce bus bandwidth of the smallest and the largest of `sizes` (bytes) on
-    `world_size` ranks over `link`, against the link's bandwidth; over a `Topology`, against the bus
-    bandwidth its fastest form approaches (`Topology.all_reduce_limit`: with NVLS above the line rate)."""
+    `world_size` ranks over `link`, against the link's bandwidth."""
     small, large = min(sizes), max(sizes)
-    ranks = list(range(world_size))
 
     def ms(n: int) -> float:
-        if isinstance(link, Topology):
-            return link.collective_time_s("all_reduce", n, ranks) * 1e3
         return collective_time_s("all_reduce", n, world_size, link) * 1e3
 
-    if isinstance(link, Topology):
-        limit, form = link.all_reduce_limit(ranks)
-        name = f"{link.intra_node.name}, {form}"
-    else:
-        limit, name = link.bandwidth_gb_s, link.name
     return Forecast(
         "00_cluster_tour",
         bus_bandwidth_gb_s(small, world_size, link),
         bus_bandwidth_gb_s(large, world_size, link),
-        limit,
-        where or f"{world_size} ranks on {name or 'a link'}",
+        link.bandwidth_gb_s,
+        where or f"{world_size} ranks on {link.name or 'a link'}",
         {f"all_reduce of {small} B": ms(small), f"all_reduce of {large} B": ms(large)},
         unit="GB/s",
         targets="bandwidth",

@@ -172,27 +172,6 @@ class Topology:
             seconds = min(seconds, self._nvls_s(nbytes, global_ranks))
         return seconds
 
-    def bus_bandwidth_gb_s(
-        self, op: str, nbytes: int, global_ranks: list[int], *, nvls: bool = True
-    ) -> float:
-        """nccl-tests' bus bandwidth of `op` over these ranks by this model: size / time x the bus factor."""
-        seconds = self.collective_time_s(op, nbytes, global_ranks, nvls=nvls)
-        return nbytes / seconds / 1e9 * bus_bandwidth_factor(op, len(global_ranks)) if seconds > 0 else 0.0
-
-    def all_reduce_limit(self, global_ranks: list[int], *, nvls: bool = True) -> tuple[float, str]:
-        """The bus bandwidth an all-reduce over these ranks approaches as its message grows (GB/s), and the
-        form that reaches it: the rings' β, or NVLS, whose switch reduces so that each GPU sends its buffer
-        once (on 8 GPUs 1.75 x `nvls_gb_s`, above the line rate: nccl-tests issues 212 and 272)."""
-        ring = self.rail_ring(global_ranks)
-        best, form = ring.bandwidth_gb_s, f"rings over {ring.name}"
-        if nvls and self.nvls_gb_s is not None and len(global_ranks) > 1:
-            huge = 2**40  # a TiB: the latency is nothing next to it
-            through_switch = huge / self._nvls_s(huge, global_ranks) / 1e9
-            nvls_bus = through_switch * bus_bandwidth_factor("all_reduce", len(global_ranks))
-            if nvls_bus > best:
-                best, form = nvls_bus, "NVLS (NVLink SHARP): the NVSwitch reduces"
-        return best, form
-
     def _nvls_s(self, nbytes: int, global_ranks: list[int]) -> float:
         """An all-reduce through the NVSwitch (one node), or NCCL's NVLS tree across nodes: the switch's pass
         and each GPU's share all-reduced over its rail, pipelined (the slower sets the time)."""

@@ -42,7 +42,6 @@ __all__ = [
 
 BACKEND_NAME = "labkit_emulated"
 TOPOLOGY_ENV = "LABKIT_TOPOLOGY"
-NVLS_ENV = "NCCL_NVLS_ENABLE"  # as NCCL reads it: "0" leaves NVLS out of the all-reduces' times
 RECORD_DIR_ENV = "LABKIT_RECORD_DIR"
 
 
@@ -75,9 +74,6 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         self._inner = inner
         self._global_ranks = list(global_ranks)
         self._topology = topology
-        # NCCL's own switch, read once as NCCL reads it: NVLS for all-reduce where the node has it, unless
-        # NCCL_NVLS_ENABLE=0 (NCCL's docs, "Environment Variables")
-        self._nvls = os.environ.get(NVLS_ENV, "1").strip() != "0"
         self._timeout_s = timeout.total_seconds()
         self.record = CollectiveRecord(record_path)
         self.modelled_s = 0.0  # total modelled link time issued on this group
@@ -165,8 +161,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         virtual = self.timing.virtual
         with self.timing.clock.paused() if virtual else contextlib.nullcontext():  # bookkeeping, not compute
             seq = self.record.issued(op, tensors, peer)
-            if peer is None:  # NCCL's fastest form here: rings over the rails, or NVLS for an all-reduce
-                seconds = self._topology.collective_time_s(op, nbytes, self._global_ranks, nvls=self._nvls)
+            if peer is None:  # rings over the rails across nodes; NVLS left out (NCCL_NVLS_ENABLE=0)
+                seconds = self._topology.collective_time_s(op, nbytes, self._global_ranks, nvls=False)
             else:
                 seconds = collective_time_s(op, nbytes, 2, self.link_for(peer))
             self.modelled_s += seconds

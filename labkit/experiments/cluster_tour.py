@@ -71,10 +71,9 @@ def headline(w: Where, p: Params) -> LabRecords:
     rows = w.launch(bandwidth_test, sizes, iters=p.iters, timeout_s=p.timeout_s)[0]
     if w.emulated:
         assert isinstance(w.cluster, Cluster)
-        # the model's own limit: the rings' β, or NVLS's bus bandwidth where the node has it (as NCCL picks)
-        limit, form = w.cluster.topology().all_reduce_limit(list(range(w.world_size)))
         link = w.cluster.topology().rail_ring(list(range(w.world_size)))
-        why = f"the simulated link's β ({link.name}; {form})" if w.simulated else "the emulated link's β"
+        limit = link.bandwidth_gb_s
+        why = f"the simulated link's β ({link.name})" if w.simulated else "the emulated link's β"
     elif w.on_gpu and w.nodes == 1:
         # torchrun: detect
         link = (w.cluster if isinstance(w.cluster, Cluster) else Cluster.detect()).intra_node
@@ -95,7 +94,7 @@ def headline(w: Where, p: Params) -> LabRecords:
         Meaning(
             before=f"all_reduce bus bandwidth of the smallest message ({rows[0]['size_bytes']} bytes)",
             after=f"bus bandwidth of the largest message ({rows[-1]['size_bytes']} bytes)",
-            limit=f"the most bus bandwidth any message size reaches: {why}",
+            limit=f"the link's bandwidth, which no message size beats: {why}",
         ),
         "all_reduce bus bandwidth: smallest vs largest message",
         {"sweep": rows},
