@@ -121,6 +121,12 @@ def bus_bandwidth_factor(op: str, world_size: int) -> float:
     return factors[op]
 
 
+# NCCL's own latency of an NVLS all-reduce on NVLink (src/graph/tuning.cc: hwLatencies[NCCL_HW_NVLINK][NVLS]
+# [SIMPLE], 25 us; NVLS runs the Simple protocol only): one pass through the switch, but a slower start than a
+# ring's low-latency protocols, which NCCL therefore keeps for small messages
+NVLS_LATENCY_US = 25.0
+
+
 @dataclass(frozen=True)
 class Topology:
     """Which global rank sits on which node, the two link classes, and a node's way out: `nics_per_node`
@@ -177,7 +183,7 @@ class Topology:
         and each GPU's share all-reduced over its rail, pipelined (the slower sets the time)."""
         assert self.nvls_gb_s is not None
         per_node = Counter(self.node_of(r) for r in global_ranks)
-        switch = self.intra_node.latency_us * 1e-6 + nbytes / (self.nvls_gb_s * 1e9)
+        switch = NVLS_LATENCY_US * 1e-6 + nbytes / (self.nvls_gb_s * 1e9)
         if len(per_node) == 1:
             return switch
         g = min(per_node.values())

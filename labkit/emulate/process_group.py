@@ -161,7 +161,10 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         virtual = self.timing.virtual
         with self.timing.clock.paused() if virtual else contextlib.nullcontext():  # bookkeeping, not compute
             seq = self.record.issued(op, tensors, peer)
-            if peer is None:  # rings over the rails across nodes; NVLS left out (NCCL_NVLS_ENABLE=0)
+            # Rings over the rails across nodes; NVLS left out (as NCCL_NVLS_ENABLE=0): with it, the small
+            # all-reduces of lab 03's per-tensor loop lose the ring's fixed cost, which this model, having no
+            # low-latency protocols, sets too high (measured: after/before 0.93 on 8 simulated H100s)
+            if peer is None:
                 seconds = self._topology.collective_time_s(op, nbytes, self._global_ranks, nvls=False)
             else:
                 seconds = collective_time_s(op, nbytes, 2, self.link_for(peer))
