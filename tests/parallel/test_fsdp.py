@@ -65,6 +65,22 @@ def test_fully_sharded_gradients_equal_one_process_on_the_emulated_cluster() -> 
     assert shards["blocks.0.mlp.fc.weight"] == (SMALL.ffn_dim * SMALL.d_model // world, SMALL.ffn_dim * 32)
 
 
+def _second_step_peak(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> dict:
+    """Two training steps, the first making Adam's states: {"peak": the second's peak} or {"oom": ...}."""
+    try:
+        for _ in range(2):
+            device_memory.reset_peak_memory_stats()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    except torch.OutOfMemoryError as e:
+        return {"oom": str(e)}
+    peak = device_memory.peak_bytes()
+    return {"peak": peak[0] if peak else 0}
+
+
 # 5.3 million parameters: 80 MiB of fp32 Adam states, more than the 64 MiB budget below holds whole
 MID = GPTConfig(n_layers=4, d_model=256, n_heads=4, vocab_size=4096, seq_len=32)
 
@@ -75,17 +91,8 @@ def _budget_step(config: GPTConfig, plain: bool) -> dict:
     model = seeded_model(config)
     if not plain:
         fully_sharded(model, None)
-    opt = torch.optim.Adam(model.parameters())
     x, y = synthetic_batch(config, BATCH, seed=dist.get_rank())
-    try:
-        for _ in range(2):  # the first step makes Adam's states
-            device_memory.reset_peak_memory_stats()
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-    except torch.OutOfMemoryError as e:
-        return {"oom": str(e)}
-    return {"peak": device_memory.peak_bytes()[0]}
+    return _second_step_peak(model, torch.optim.Adam(model.parameters()), x, y)
 
 
 def test_on_the_emulated_cluster_fsdp_fits_a_budget_plain_data_parallelism_runs_out_of() -> None:
@@ -113,16 +120,7 @@ def _large_step(config: GPTConfig, plain: bool) -> dict:
         fully_sharded(model, None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     opt = torch.optim.Adam(model.parameters(), foreach=True)  # what torch.optim picks for CUDA tensors
     x = torch.zeros(1, config.seq_len, dtype=torch.long)
-    try:
-        for _ in range(2):  # the first step makes Adam's states
-            device_memory.reset_peak_memory_stats()
-            model(x, x).backward()
-            opt.step()
-            opt.zero_grad()
-    except torch.OutOfMemoryError as e:
-        return {"oom": str(e)}
-    peak = device_memory.peak_bytes()
-    return {"peak": peak[0] if peak else 0}
+    return _second_step_peak(model, opt, x, x)
 
 
 def test_fsdp_runs_a_model_plain_data_parallelism_cannot_hold_on_a_simulated_h100() -> None:
