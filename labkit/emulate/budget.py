@@ -151,12 +151,12 @@ class MemoryBudget(compat.TorchDispatchMode):
         `untyped_storage().resize_`, which no operator dispatch sees (`compat.report_storage_resizes`)."""
         key = id(storage)
         with self._lock:
-            known = key in self._seen
-            self._pending.append(key)  # the old size, whatever it was, is freed first
             self._busy = True
             try:
-                self._drain()
+                self._drain()  # releases queued under a collection first: one may be of this id
                 self._busy = True
+                known = key in self._seen
+                self._free(key)  # the old size, whatever it was
                 if nbytes:
                     self._take(key, nbytes)
             finally:
@@ -175,14 +175,17 @@ class MemoryBudget(compat.TorchDispatchMode):
         """Apply the queued releases; called holding the lock with `_busy` set, which it clears."""
         try:
             while self._pending:
-                key = self._pending.pop()
-                size = self._seen.pop(key, None)
-                if size is not None:
-                    self.allocated -= size
-                    if self.allocator is not None:
-                        self.allocator.free(self._handles.pop(key))
+                self._free(self._pending.pop())
         finally:
             self._busy = False
+
+    def _free(self, key: int) -> None:
+        """Storage `key`'s bytes are free (nothing where it holds none); called holding the lock."""
+        size = self._seen.pop(key, None)
+        if size is not None:
+            self.allocated -= size
+            if self.allocator is not None:
+                self.allocator.free(self._handles.pop(key))
 
     @property
     def reserved(self) -> int:
