@@ -136,7 +136,8 @@ def test_the_jobs_plant_one_mistake_each_and_the_diagnosis_fixes_only_its_own():
 def test_on_a_simulated_node_per_tensor_all_reduces_are_drawn_from_the_ranks_where_their_fix_shows(tmp_path):
     """On simulated DGX H100 ranks the fix's buckets run in labkit's Python OverlappedDDP, whose bucket copies
     cost host dispatches: fixing per-tensor all-reduces takes the step to <= 0.8x (the course's bar) from
-    SIMULATED_PER_TENSOR_RANKS ranks, not on fewer; kinds_that_show draws it from there on (virtual time)."""
+    SIMULATED_PER_TENSOR_RANKS ranks, not on fewer; kinds_that_show draws it from there on (virtual time). On
+    those ranks the simulated traces name the mistake (many small collectives) and, once fixed, nothing."""
     p = Params()
     ratio = {}
     for n in (SIMULATED_PER_TENSOR_RANKS - 2, SIMULATED_PER_TENSOR_RANKS):
@@ -148,6 +149,9 @@ def test_on_a_simulated_node_per_tensor_all_reduces_are_drawn_from_the_ranks_whe
         ratio[n] = step_ms(after) / step_ms(before)
         shows = "per_tensor_allreduce" in kinds_that_show(Machine.resolve("sim:dgx-h100", n))
         assert shows == (ratio[n] <= 0.8), ratio
+        if shows:
+            assert diagnose(tmp_path / str(n) / "b").kind == "small_collectives"
+            assert diagnose(tmp_path / str(n) / "a").kind == "none"
     assert ratio[SIMULATED_PER_TENSOR_RANKS] <= 0.8 < ratio[SIMULATED_PER_TENSOR_RANKS - 2], ratio
     assert kinds_that_show(simulated=True, world_size=2) == ["straggler"]
     with pytest.raises(ValueError, match="needs world_size"):

@@ -56,6 +56,7 @@ def test_labkit_run_on_a_simulated_node_says_where_it_ran_and_its_forecast_agree
     reducer needs storage) is left out. The report says it ran there, and the forecast and the verdict say
     the same (on 2 NVLink ranks the lesson does not show; the forecast names the whole node, where it does)."""
     cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "03", "--cluster", "sim:dgx-h100", "--quiet"]
+    cmd += ["-p", "sweep_caps_mb", "[25.0]"]  # one swept cap of the GPU sizes' four: the sweep is the script's
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path / "runs")],
         cwd=repo,

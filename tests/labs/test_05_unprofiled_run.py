@@ -39,22 +39,11 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
     expect(run_solution(LAB), check_common)
 
 
-def test_the_script_on_a_simulated_dgx_h100_node_finds_and_fixes_its_mystery(simulated_lab):
-    """Eight simulated H100s (one timed step, two traced: 25 s), seed 0: per-tensor all-reduces, which show on
-    a simulated node from 8 ranks (SIMULATED_PER_TENSOR_RANKS); the trace names them (small collectives) and
-    their fix, buckets, reaches the clean job's step (3.68 -> 2.63 ms). The straggler (seeds 1-3) is the
-    notebook test's."""
-    rec = simulated_lab(LAB, 8, "--set", "mystery_seed", "0", "--set", "trace_steps", "2")
-    assert rec["where"] == "simulated H100-SXM5-80GB" and rec["params"]["steps"] == 1
-    assert (rec["planted"], rec["diagnosed"]) == ("per_tensor_allreduce", "small_collectives")
-    assert rec["after"] / rec["before"] <= 0.8 and rec["limit"] <= rec["after"]
-
-
 def test_the_notebook_on_two_simulated_ranks_fixes_the_straggler_and_says_the_lesson_falls_short(
     run_solution, tmp_path
 ):
     """cluster="sim:dgx-h100" on 2 ranks (13 s; a DGX node's 8: 48 s, where per-tensor all-reduces show too,
-    as the script's test checks): the traces name the straggler on either rank and its fix moves the step by
+    as tests/experiments/test_unprofiled_run.py checks at 8 ranks): the traces name the straggler on either rank and its fix moves the step by
     x0.80, which misses the course's 0.8 there; the notebook says so and names world_size = 8, instead of a
     pass, and labels every number simulated."""
     rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=2, trace_steps=2)
