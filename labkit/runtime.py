@@ -127,9 +127,10 @@ def share_one_core() -> bool:
     tens of seconds, enough to hide a rank doing twice the work or to fake one. Ranks that must be compared
     with each other (lab 05's straggler) can share one core instead; each still counts only its own CPU time,
     so virtual times stay per rank, and only the wall time grows. Returns whether it moved (not on GPUs,
-    not off the virtual clock, not where affinity cannot be set).
+    not off the virtual clock, not on a simulated machine, whose clock counts modelled operator times and no
+    CPU time, where sharing a core would only double the wall time, not where affinity cannot be set).
     """
-    if not on_virtual_clock() or not hasattr(os, "sched_setaffinity"):
+    if not on_virtual_clock() or on_simulated() or not hasattr(os, "sched_setaffinity"):
         return False
     # The rank was pinned to one core at start; the process that started it (the launcher's fork
     # server) still has the job's whole set of cores.
