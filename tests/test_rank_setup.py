@@ -195,9 +195,9 @@ def test_a_simulated_rank_does_not_warm_its_heap(monkeypatch):
 
 
 def test_a_simulated_rank_keeps_its_own_core(monkeypatch):
-    """Ranks compared by CPU time share one core (`runtime.share_one_core`); a simulated machine's clock counts
-    modelled operator times, not CPU time, so its ranks keep a core each and the run takes half the wall time
-    on two cores."""
+    """Ranks compared by CPU time share one core (`runtime.share_one_core`); a simulated machine's clock
+    counts modelled operator times, not CPU time, so its ranks keep a core each and the run takes half the
+    wall time on two cores."""
     from labkit import runtime
 
     monkeypatch.setenv(runtime.CLUSTER_ENV, Cluster.preset("dgx-h100").simulated().to_json())

@@ -141,6 +141,12 @@ def _synthetic_step(mode: str, layers: int, numel: int, seconds: float) -> tuple
     return times[-1]
 
 
+def _slowest(per_rank: list[tuple[float, float]]) -> tuple[float, float]:
+    """The longest step over the ranks, and the most host time."""
+    steps, hosts = zip(*per_rank)
+    return max(steps), max(hosts)
+
+
 @pytest.mark.parametrize("comm_per_layer_ms", [20, 60])  # below and above the compute per layer
 def test_naive_costs_compute_plus_comm_and_overlap_costs_the_max_plus_the_tail(comm_per_layer_ms):
     layers, compute_s = 4, 0.040
@@ -149,12 +155,12 @@ def test_naive_costs_compute_plus_comm_and_overlap_costs_the_max_plus_the_tail(c
     cluster = Cluster.emulated(gpus_per_node=2, intra_node=link, inter_node=link)
     comm_s = collective_time_s("all_reduce", numel * 4, 2, link)
     assert comm_s == pytest.approx(comm_per_layer_ms * 1e-3)
-    naive, naive_host = max(
-        launch(_synthetic_step, "naive", layers, numel, compute_s, world_size=2, cluster=cluster)
-    )
-    over, over_host = max(
-        launch(_synthetic_step, "overlapped", layers, numel, compute_s, world_size=2, cluster=cluster)
-    )
+    costs = (layers, numel, compute_s)
+    # A collective completes once its last rank has issued it: each step is as slow as the slower rank, and
+    # the host time to add is the larger of the two ranks' (not that of the rank with the longer step: one
+    # full run measured 190.1 ms against 1.02 x (180 + 4.5) ms, with the other rank's host time)
+    naive, naive_host = _slowest(launch(_synthetic_step, "naive", *costs, world_size=2, cluster=cluster))
+    over, over_host = _slowest(launch(_synthetic_step, "overlapped", *costs, world_size=2, cluster=cluster))
     # The host's own Python (forward, autograd, hooks) is a few ms of the step on a slow machine: measured,
     # not modelled, so it is added to the model rather than hidden in the tolerance.
     assert 0 <= naive_host < 0.25 * compute_s and 0 <= over_host < 0.25 * compute_s
