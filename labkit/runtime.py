@@ -68,6 +68,13 @@ def on_simulated() -> bool:
     return cluster is not None and cluster.is_simulated
 
 
+def clock_counts_cpu_time() -> bool:
+    """Does this rank's clock count its own CPU time (the emulated cluster's virtual clock, a launched rank of
+    CI's fake CUDA machine), so that the host's page faults and a shared core's speed show in it? Not a
+    simulated machine's, whose compute is each operator's modelled time."""
+    return on_virtual_clock() and not on_simulated()
+
+
 def optimizer_options() -> dict[str, bool]:
     """Keyword arguments for a torch optimizer made on this rank: on a GPU (real, fake or simulated), what
     torch picks for CUDA tensors by default (`foreach=True`: one kernel per group of tensors, not a loop over
@@ -126,11 +133,11 @@ def share_one_core() -> bool:
     always run at the same speed: after minutes at full load this machine's two cores ran 1.3-1.6x apart for
     tens of seconds, enough to hide a rank doing twice the work or to fake one. Ranks that must be compared
     with each other (lab 05's straggler) can share one core instead; each still counts only its own CPU time,
-    so virtual times stay per rank, and only the wall time grows. Returns whether it moved (not on GPUs,
-    not off the virtual clock, not on a simulated machine, whose clock counts modelled operator times and no
-    CPU time, where sharing a core would only double the wall time, not where affinity cannot be set).
+    so virtual times stay per rank, and only the wall time grows. Returns whether it moved: only where the
+    clock counts CPU time (`clock_counts_cpu_time`; on a simulated machine sharing a core would only double
+    the wall time) and affinity can be set.
     """
-    if not on_virtual_clock() or on_simulated() or not hasattr(os, "sched_setaffinity"):
+    if not clock_counts_cpu_time() or not hasattr(os, "sched_setaffinity"):
         return False
     # The rank was pinned to one core at start; the process that started it (the launcher's fork
     # server) still has the job's whole set of cores.
@@ -154,7 +161,7 @@ def warm_heap(mib: int = 256) -> bool:
     here, once. Returns whether it ran (the virtual clock and glibc only; not on a simulated machine, whose
     clock counts each operator's modelled time, never the host's page faults).
     """
-    if not on_virtual_clock() or on_simulated():
+    if not clock_counts_cpu_time():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

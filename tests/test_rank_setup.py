@@ -201,5 +201,7 @@ def test_a_simulated_rank_keeps_its_own_core(monkeypatch):
     from labkit import runtime
 
     monkeypatch.setenv(runtime.CLUSTER_ENV, Cluster.preset("dgx-h100").simulated().to_json())
-    assert runtime.on_virtual_clock() and runtime.on_simulated()
+    assert runtime.on_virtual_clock() and runtime.on_simulated() and not runtime.clock_counts_cpu_time()
     assert runtime.share_one_core() is False
+    monkeypatch.setenv(runtime.CLUSTER_ENV, Cluster.emulated(gpus_per_node=2).to_json())
+    assert runtime.clock_counts_cpu_time()  # the emulated cluster's virtual clock: the ranks' CPU time
