@@ -22,6 +22,7 @@ from nbclient.exceptions import CellExecutionError
 
 from labkit.course.execute import execute
 from labkit.experiments import registry
+from labkit.forecast import verdict
 from labkit.records import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,6 +189,24 @@ def _check_common(rec: dict[str, Any], lab: str, *, torchrun: bool, world_size: 
 def check_common() -> Callable[..., None]:
     """`check_common(rec, lab, torchrun=..., world_size=...)`: what every lab's records hold."""
     return _check_common
+
+
+def _check_verdict(rec: dict[str, Any], text: str, *, targets: str = "time") -> None:
+    """The verdict printed is the one the measured numbers call for (`labkit.forecast.verdict`), whichever.
+
+    For CI's fake CUDA machine: there compute is the CPU time of Python-heavy toy operators on a shared
+    2-core runner, which spreads a lesson's ratios by a fifth or more, so the course's targets themselves are
+    held on the emulated and simulated clusters' deterministic clocks. The hint after "does not show" is
+    left out."""
+    before, after, limit = rec["before"], rec["after"], rec["limit"]
+    printed = verdict(before, after, limit, rec["where"], targets=targets, hint="").rstrip()
+    assert printed in text, (printed, text[-2000:])
+
+
+@pytest.fixture
+def check_verdict() -> Callable[..., None]:
+    """`check_verdict(rec, text, targets="time")`: the printed verdict is the one its numbers call for."""
+    return _check_verdict
 
 
 # --------------------------------------------------------------------------------- mutation tests

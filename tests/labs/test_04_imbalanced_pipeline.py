@@ -7,8 +7,6 @@ from typing import Any
 
 import pytest
 
-from labkit.forecast import lesson_shows
-
 LAB = "04_imbalanced_pipeline"
 
 
@@ -53,7 +51,7 @@ FAKE_CUDA_SIZES = {"d_model": 128, "n_layers": 8, "vocab_size": 12288, "global_b
 
 @pytest.mark.fake_cuda
 def test_the_gpu_branch_on_fake_cuda_evens_the_stages_and_prints_the_verdict_its_numbers_call_for(
-    run_on_fake_cuda,
+    run_on_fake_cuda, check_verdict
 ):
     """The notebook's real-GPU branch on four fake H100s (labkit.emulate.fake_cuda), one stage each: the
     gradients are checked against one process, the balanced split evens the stages' times, 1F1B holds less
@@ -64,17 +62,11 @@ def test_the_gpu_branch_on_fake_cuda_evens_the_stages_and_prints_the_verdict_its
     rec, text = run_on_fake_cuda(LAB, gpus=4, interleaved=False, **FAKE_CUDA_SIZES)
     assert rec["machine"] == "gpu" and rec["where"] == "emulated, fake CUDA" and rec["emulated"] is False
     assert rec["params"]["stages"] == 4 and rec["max_abs_diff"] < 1e-5
-    before, after, limit = rec["before"], rec["after"], rec["limit"]
     # Not after < before: compute here is the CPU time of Python-heavy toy operators on four ranks sharing
-    # 2 cores, and after/before spread from 0.69 to 1.04 over three runs (the last CI's, 2026-12-06). The
-    # lesson's targets are held on the emulated and simulated clusters' deterministic clocks; here the stage
-    # times must be closer and the printed verdict must be the one the measured numbers call for.
+    # 2 cores, and after/before spread from 0.69 to 1.04 over three runs; the stage times must be closer
     assert rec["imbalance_after"] < rec["imbalance_before"], (rec["imbalance_before"], rec["imbalance_after"])
     assert rec["peak_mib_gpipe"][0] > 1.3 * rec["peak_mib_1f1b"][0]
-    ratios = f"after/before = {after / before:.2f}, after/limit = {after / limit:.2f} ({rec['where']})"
-    shows = lesson_shows(before, after, limit)
-    said = "check passed: " if shows else "the lesson does not show on this machine: "
-    assert said + ratios in text, text[-2000:]
+    check_verdict(rec, text)
 
 
 def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_solution):
