@@ -21,6 +21,7 @@ import torch
 
 from labkit import _torch_compat as compat
 from labkit import validate
+from labkit.emulate import cpu_matmul
 from labkit.emulate.allocator import CachingAllocator
 from labkit.emulate.clock import rank_clock
 from labkit.emulate.simulated_device import SimulatedDevice, storage_resized
@@ -234,7 +235,7 @@ class MemoryBudget(compat.TorchDispatchMode):
                 self.allocator.reset_peak()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = cpu_matmul.compute(func, args, kwargs or {})  # a GPU's fp32 accumulation, at fp32 speed
         with rank_clock().paused() if self.off_the_clock else contextlib.nullcontext():
             for t in compat.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
