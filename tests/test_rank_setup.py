@@ -205,3 +205,15 @@ def test_a_simulated_rank_keeps_its_own_core(monkeypatch):
     assert runtime.share_one_core() is False
     monkeypatch.setenv(runtime.CLUSTER_ENV, Cluster.emulated(gpus_per_node=2).to_json())
     assert runtime.clock_counts_cpu_time()  # the emulated cluster's virtual clock: the ranks' CPU time
+
+
+def _collection_after_start() -> tuple[int, int]:
+    import gc
+
+    torch.zeros(4).add_(1)  # this rank's own objects are still collected
+    return gc.get_freeze_count(), gc.collect()
+
+
+def test_a_launched_rank_leaves_what_it_imported_out_of_the_collectors_passes():
+    frozen, _ = launch(_collection_after_start, world_size=1, cluster=Cluster.emulated(gpus_per_node=1))[0]
+    assert frozen > 10_000  # torch's modules and their objects
