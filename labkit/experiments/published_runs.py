@@ -37,6 +37,7 @@ from labkit import device_memory, emulate, launcher, timer
 from labkit.cluster import Cluster
 from labkit.layout import Layout
 from labkit.links import collective_time_s
+from labkit.measured_memory import free_memory
 from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.tensor import tensor_parallel
 from labkit.parallel.vocab import vocab_parallel
@@ -174,6 +175,19 @@ def _replica(config: GPTConfig, micro_batch: int) -> dict[str, float]:
     }
 
 
+def _in_turn(
+    fn: Callable[..., dict[str, float]], configs: list[GPTConfig], *args: object
+) -> list[dict[str, float]]:
+    """On a rank: `fn(c, *args)` for each of `configs` in turn, each from what the one before left (its
+    garbage collected) and with the memory peak started again."""
+    results = []
+    for c in configs:
+        free_memory()
+        device_memory.reset_peak_memory_stats()
+        results.append(fn(c, *args))
+    return results
+
+
 def carried_to_layers(
     fn: Callable[..., dict[str, float]],
     config: GPTConfig,
@@ -185,13 +199,19 @@ def carried_to_layers(
 ) -> list[dict[str, float]]:
     """Each rank's `fn(config, *args)` measures at `config`'s blocks: simulated whole (`blocks` None, or a
     model no deeper than them), or carried along the line through runs with `blocks` blocks (each block is the
-    same work: times, bytes and peaks are linear in the blocks)."""
-    def run(c: GPTConfig) -> list[dict[str, float]]:
-        return launcher.launch(fn, c, *args, world_size=world_size, cluster=cluster, timeout_s=timeout_s)
-
+    same work: times, bytes and peaks are linear in the blocks). Both block counts run in one launch, one
+    after the other on each rank (`_in_turn`), the second on the rank's warm caches (its imports,
+    FakeTensorMode's cache of operators' outputs) rather than on a new process's cold ones."""
     if blocks is None or config.n_layers <= max(blocks):
-        return run(config)
-    few, more = (run(replace(config, n_layers=n)) for n in blocks)
+        configs = [config]
+    else:
+        configs = [replace(config, n_layers=n) for n in blocks]
+    per_rank = launcher.launch(
+        _in_turn, fn, configs, *args, world_size=world_size, cluster=cluster, timeout_s=timeout_s
+    )
+    if len(configs) == 1:
+        return [runs[0] for runs in per_rank]
+    few, more = ([runs[i] for runs in per_rank] for i in range(2))
     share = (config.n_layers - blocks[0]) / (blocks[1] - blocks[0])
     return [
         {k: a.get(k, 0.0) + share * (b.get(k, 0.0) - a.get(k, 0.0)) for k in {**a, **b}}
