@@ -33,9 +33,11 @@ def test_the_solution_notebook_shows_the_lesson(run_solution, check_common):
 
 def test_the_notebook_on_a_simulated_node_checks_gradients_emulated_and_times_the_gpu_sizes(run_solution):
     """cluster="sim:dgx-h100", four stages: the pipeline's gradients are checked against one process on the
-    emulated cluster at its sizes; every plan runs at the GPU sizes on the simulated node, where no values are
-    compared, and the lesson shows there (the defaults, one timed step there: 24 s on the 2-core VM)."""
-    rec = run_solution(LAB, cluster="sim:dgx-h100")
+    emulated cluster at its sizes; every plan runs at the GPU sizes but with 8 blocks on the simulated node,
+    where no values are compared, and the lesson shows there (one timed step there; a simulated operator costs
+    its dispatch, whatever its size, so the time follows the blocks: 16, the GPU default, 75 s on the 2-core
+    VM, 8 blocks 51 s, where the head is a larger share of a stage: after/before 0.66)."""
+    rec = run_solution(LAB, cluster="sim:dgx-h100", n_layers=8)
     assert rec["params"]["d_model"] == 1024 and rec["emulated"] and rec["max_abs_diff"] is None
     assert rec["params"]["vocab_size"] == 32768 and rec["sizes_after"] != rec["sizes_before"]
     assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.2
