@@ -39,7 +39,7 @@ from labkit import validate
 from labkit.cluster import Cluster
 from labkit.gemm import GemmCurve, gemm_s
 from labkit.layout import Layout
-from labkit.links import Link, collective_time_s
+from labkit.links import Link, Topology, collective_time_s
 from labkit.memory import MemoryBreakdown, blocks_per_stage, check_model_parallel, estimate, stage_params
 from labkit.models import GPTConfig
 from labkit.op_time import DISPATCH_S  # the host's floor per operator; its home is the op time model
@@ -307,6 +307,19 @@ def _dp_exposed_s(
     return max(all_reduce_s - backward_s, last_bucket_s)
 
 
+def _slowest_ring(topo: Topology, layout: Layout, kind: str) -> Link:
+    """The slowest of the rings the `kind` groups of `layout` run (the first, among equals).
+
+    A group is the ranks `start + i * stride`, so two groups whose starts lie at the same place in their
+    nodes (`start % gpus_per_node`) spread over the nodes alike and run the same ring: one of each is timed,
+    not all of them (a layout of 3,072 GPUs has up to 3,072 groups, and the planner tries hundreds).
+    """
+    first_of_each: dict[int, list[int]] = {}
+    for group in layout.groups_of(kind):
+        first_of_each.setdefault(group[0] % topo.gpus_per_node, group)
+    return min((topo.rail_ring(g) for g in first_of_each.values()), key=lambda lk: lk.bandwidth_gb_s)
+
+
 def _predict(
     c: Candidate,
     config: GPTConfig,
@@ -331,10 +344,7 @@ def _predict(
         slots.append(max(work, kernels * rates.dispatch_s))
     compute = max(slots)
     # each dimension's rings: inside a node its link, across nodes over the rails (labkit.links.Topology)
-    link = {
-        k: min((topo.rail_ring(g) for g in c.layout.groups_of(k)), key=lambda lk: lk.bandwidth_gb_s)
-        for k in c.links
-    }
+    link = {k: _slowest_ring(topo, c.layout, k) for k in c.links}
     tp_s = pp_s = dp_s = 0.0
     if tp > 1:
         tp_s = tp_comm_s(
