@@ -63,9 +63,21 @@ from labkit.errors import RankError
 
 __all__ = ["RankError", "launch"]
 # torch.distributed.pipelining pulls in dynamo: ~1.5 s of CPU per rank, 8 ranks on 2 cores ~6 s per launch.
+# A rank that unpickles a lab's function imports its module, and so labkit's layers and FSDP: 226 ms per rank
+# for labs 01 and 04's two, 49 ms with these preloaded (py-spy: a tenth of lab 01's test was ranks importing).
 # Preloaded only on a CPU build, where nothing can touch CUDA before the fork.
 _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "labkit.worker"] + (
-    ["torch.distributed.pipelining"] if torch.version.cuda is None else []
+    [
+        "torch.distributed.pipelining",
+        "torch.distributed.fsdp",
+        "labkit.memory",
+        "labkit.parallel",
+        "labkit.planner",
+        "labkit.trace",
+        "labkit.training",
+    ]
+    if torch.version.cuda is None
+    else []
 )
 _GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
 
