@@ -110,28 +110,35 @@ def _merge_loss(spans: list) -> list:
     ]
 
 
+@dataclass
+class _OneProcess:
+    """One process's first step on the whole batch: its gradients by parameter name and its mean loss."""
+
+    grads: dict[str, torch.Tensor]
+    loss: float
+
+
+def _one_process(config: GPTConfig, seed: int, global_batch: int, dev: torch.device) -> _OneProcess:
+    """The reference every plan's first step is checked against: the same seeded model, step 0's batch. The
+    same for every plan, so a rank computes it once, not once per plan (lab 04's notebook checks five)."""
+    x, y = synthetic_batch(config, global_batch, seed=seed, step=0)
+    ref = seeded_model(config, seed, dev)
+    loss = ref(x.to(dev), y.to(dev))  # mean over every token = mean of the equal micro-batches' means
+    loss.backward()
+    return _OneProcess({n: p.grad for n, p in ref.named_parameters()}, loss.item())
+
+
 def _reference_errors(
-    config: GPTConfig,
-    seed: int,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    model: torch.nn.Module,
-    stages: list,
-    losses: list,
+    reference: _OneProcess, model: torch.nn.Module, stages: list, losses: list
 ) -> tuple[float, float | None]:
     """This rank's gradients and (last stage) mean loss against one process on the whole batch."""
-    dev = next(model.parameters()).device
-    ref = seeded_model(config, seed, dev)
-    ref_loss = ref(x.to(dev), y.to(dev))  # mean over every token = mean of the equal micro-batches' means
-    ref_loss.backward()
     held = {id(p) for st in stages for p in st.submod.parameters()}
-    ref_grads = dict(ref.named_parameters())
     error = max(
-        (p.grad - ref_grads[n].grad).abs().max().item()
+        (p.grad - reference.grads[n]).abs().max().item()
         for n, p in model.named_parameters()
         if id(p) in held and p.grad is not None
     )
-    loss_error = abs(float(torch.stack(losses).detach().mean()) - ref_loss.item()) if losses else None
+    loss_error = abs(float(torch.stack(losses).detach().mean()) - reference.loss) if losses else None
     return error, loss_error
 
 
@@ -194,7 +201,8 @@ class _Pipeline:
             self.schedule.step(**kwargs)
         return losses
 
-    def timed_step(self, step: int, measured: bool, check: bool) -> None:
+    def timed_step(self, step: int, measured: bool, reference: _OneProcess | None) -> None:
+        """One step; its time kept if `measured`; its gradients checked against `reference` if given."""
         self.log.clear()
         dist.barrier(group=self.group)  # a common start: the pipeline's step time is its last rank's end
         w0 = timer.waited()
@@ -203,11 +211,8 @@ class _Pipeline:
         ms = Mark().ms_since(start)
         waited = (timer.waited() - w0) * 1e3 if w0 is not None else None
         r = self.result
-        if check and step == 0:
-            x, y = synthetic_batch(self.config, self.global_batch, seed=self.seed, step=0)
-            r.grad_error, r.loss_error = _reference_errors(
-                self.config, self.seed, x, y, self.model, self.stages, losses
-            )
+        if reference is not None:
+            r.grad_error, r.loss_error = _reference_errors(reference, self.model, self.stages, losses)
         self.opt.step()
         if measured:
             r.steps_ms.append(ms)
@@ -245,9 +250,11 @@ def pipeline_steps(
         raise ValueError("pipeline_steps needs at least one plan: [PipelinePlan(sizes, micro_batches), ...]")
     runs = [_Pipeline(config, plan, global_batch, lr, seed, process_group) for plan in plans]
     check = check and not runtime.on_simulated()  # a simulated machine computes no values to check
+    reference = _one_process(config, seed, global_batch, runtime.device()) if check else None
     for step in range(warmup + steps):
         for run in runs:
-            run.timed_step(step, measured=step >= warmup, check=check)
+            run.timed_step(step, measured=step >= warmup, reference=reference if step == 0 else None)
+        reference = None  # checked: its gradients are not kept through the timed steps
     if measure_memory:
         for run in runs:
             dist.barrier(group=process_group)
