@@ -41,9 +41,7 @@ def _half_dtype(args: tuple) -> torch.dtype | None:
 
 def compute(func: Any, args: tuple, kwargs: dict) -> Any:
     """`func(*args, **kwargs)`, with a half-precision CPU matmul accumulated in fp32 and rounded once."""
-    if func not in _MATMULS or kwargs.get("out") is not None:
-        return func(*args, **kwargs)
-    dtype = _half_dtype(args)
+    dtype = _half_dtype(args) if func in _MATMULS else None
     if dtype is None:
         return func(*args, **kwargs)
     wide = tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)

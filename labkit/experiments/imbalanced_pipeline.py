@@ -253,8 +253,8 @@ def pipeline_steps(
     reference = _one_process(config, seed, global_batch, runtime.device()) if check else None
     for step in range(warmup + steps):
         for run in runs:
-            run.timed_step(step, measured=step >= warmup, reference=reference if step == 0 else None)
-        reference = None  # checked: its gradients are not kept through the timed steps
+            run.timed_step(step, measured=step >= warmup, reference=reference)
+        reference = None  # step 0 is checked; its gradients are not kept through the later steps
     if measure_memory:
         for run in runs:
             dist.barrier(group=process_group)
