@@ -8,6 +8,7 @@ time is a model output and may be asserted); how fast things are is measured by 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,29 @@ os.environ.setdefault("LABKIT_TEXT_ONLY", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (pyproject's `-n 2`), each worker gets a temp folder of its own, inherited by the
+    kernels and ranks it starts: the labs write traces to the default temp folder (`labkit.trace.capture`),
+    and two notebooks capturing at once must not read each other's files."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    folder = Path(tempfile.gettempdir()) / f"labkit-tests-{os.getuid()}-{worker}"
+    folder.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    # Each worker has one of the runner's two cores: one intra-op thread in it and in the kernels and ranks
+    # it starts (launched ranks set their own count), so two busy workers never spin four OpenMP threads.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA; without it they are skipped and the summary (-ra) says why."""
+    """The labs' tests first: each runs a notebook or a script for 15-80 s, and started first they never leave
+    one xdist worker running the last of them while the other idles. Tests marked `gpu` need CUDA; without it
+    they are skipped and the summary (-ra) says why."""
+    # A stable sort: the labs' tests, then the rest, each part in its own order.
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/labs/"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(

@@ -292,6 +292,8 @@ def test_nbval_lax_runs_a_lab_as_a_test(repo: Path, labkit_env: dict[str, str], 
             "-q",
             "-p",
             "no:cacheprovider",
+            "-n",
+            "0",  # one notebook: no xdist workers (pyproject's addopts reach this pytest too)
             "--nbval-lax",
             str(repo / "solutions" / "00_cluster_tour.ipynb"),
         ],
