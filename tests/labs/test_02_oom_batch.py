@@ -28,7 +28,7 @@ def test_the_notebook_on_a_simulated_node_checks_gradients_emulated_and_fits_the
     """cluster="sim:dgx-h100", 2 ranks at the GPU sizes (64 MiB each, 64 sequences per rank): the step as first
     written runs out of the simulated card's budget, the accumulation exercise is checked on the emulated
     cluster at the same sizes, and the estimate meets the measured peaks once OverlappedDDP's buckets (a
-    second copy of the gradients, which torch DDP does not keep) are counted (20 s on the 2-core VM)."""
+    second copy of the gradients, which torch DDP does not keep) are counted."""
     rec = run_solution(LAB, cluster="sim:dgx-h100")
     assert rec["limit"] == GPU_MEMORY_MIB and rec["after"] <= rec["limit"] < rec["before"]
     assert rec["fixed_step"]["micro_batch"] == 32 and rec["grad_max_abs_error"] < 1e-6
