@@ -38,9 +38,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The labs' tests first: each runs a notebook or a script for 15-80 s, and started first they never leave
-    one xdist worker running the last of them while the other idles. Tests marked `gpu` need CUDA; without it
-    they are skipped and the summary (-ra) says why."""
+    """The labs' tests first: each runs a notebook or a script for 15-80 s, and started early they leave short
+    tests for the end, where one xdist worker would otherwise run a long one while the other idles. Tests
+    marked `gpu` need CUDA; without it they are skipped and the summary (-ra) says why."""
     # A stable sort: the labs' tests, then the rest, each part in its own order.
     items.sort(key=lambda item: not item.nodeid.startswith("tests/labs/"))
     if torch.cuda.is_available():
