@@ -479,16 +479,15 @@ SOAK_LAUNCHES = int(os.environ.get("LABKIT_SOAK_LAUNCHES", "30"))
 def test_many_launches_without_a_collective_never_fail_even_on_busy_cores():
     # A rank that returned used to exit while its peer was still joining gloo's full mesh: 1-2 of 40 such
     # launches failed with "Connection closed by peer", until every rank waited for the others to return
-    # (worker._leave_together). With that wait taken out again, 80 launches under two spinners no longer
-    # failed once (2026-12-07, the fork server starting the ranks), so this soak guards launches on a loaded
-    # runner (and leaks after them) rather than that one bug; LABKIT_SOAK_LAUNCHES=300 for a real soak. One
-    # spinner, the parent and the two ranks make four busy processes on the runner's two cores.
+    # (worker._leave_together). Since the fork server starts the ranks, that bug no longer shows without the
+    # wait either, so this soak guards launches on a loaded runner (and leaks after them) rather than that one
+    # bug; LABKIT_SOAK_LAUNCHES=300 for a real soak. One spinner, the parent and the two ranks make four busy
+    # processes on the runner's two cores.
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    hogs = [ctx.Process(target=_spin, args=(600.0,), daemon=True)]
-    for h in hogs:
-        h.start()
+    hog = ctx.Process(target=_spin, args=(600.0,), daemon=True)
+    hog.start()
     failures = []
     try:
         launch(_rank_only, world_size=2, cluster=CPU)  # starts the fork server
@@ -500,9 +499,8 @@ def test_many_launches_without_a_collective_never_fail_even_on_busy_cores():
                 failures.append(f"launch {i}: {type(exc).__name__}: {str(exc)[:200]}")
         after = (_children(), len(os.listdir("/proc/self/fd")), _count_listening_sockets())
     finally:
-        for h in hogs:
-            h.kill()
-            h.join()
+        hog.kill()
+        hog.join()
     assert not failures, f"{len(failures)} of {SOAK_LAUNCHES} launches failed:\n" + "\n".join(failures[:5])
     assert after == before, f"(children, fds, listening sockets) before {before}, after {after}"
 
