@@ -20,9 +20,9 @@ from types import TracebackType
 
 import torch
 
-from labkit import emulate, runtime
+from labkit import _torch_compat, emulate, runtime
 
-__all__ = ["CollectivesSpan", "Mark", "Span", "clock", "waited"]
+__all__ = ["CollectivesSpan", "Mark", "Span", "clock", "occupy_device", "waited"]
 
 
 def clock() -> float:
@@ -37,6 +37,16 @@ def waited() -> float | None:
     """Seconds this rank's virtual clock has spent waiting for collectives and transfers so far (None off the
     virtual clock: elsewhere waiting is not told apart from computing)."""
     return emulate.rank_clock().waited() if runtime.on_virtual_clock() else None
+
+
+def occupy_device(seconds: float) -> None:
+    """Keep this rank's device stream busy for `seconds`, so that work queued behind it starts when it ends: a
+    spin kernel on a GPU, the same on the virtual clock's emulated device (`VirtualClock.occupy`); nothing
+    elsewhere (a CPU has no stream to queue on)."""
+    if runtime.on_virtual_clock():
+        emulate.rank_clock().occupy(seconds)
+    elif runtime.on_gpu():
+        _torch_compat.cuda_spin(seconds)
 
 
 class Mark:

@@ -111,20 +111,31 @@ def _spans(link_s: float) -> dict[str, float]:
             _busy(2 * link_s)
         work.wait()
     dist.barrier()
+    with timer.CollectivesSpan() as queued:  # the same slow host behind a spin as long as its launches
+        timer.occupy_device(4 * 2 * link_s + 0.01)
+        for _ in range(4):
+            work = dist.all_reduce(full, async_op=True)
+            _busy(2 * link_s)
+        work.wait()
+    dist.barrier()
     with timer.CollectivesSpan() as empty:  # no collective inside: the plain span
         _busy(0.01)
-    return {"hidden": hidden.ms / 1e3, "gaps": gaps.ms / 1e3, "empty": empty.ms / 1e3}
+    spans = {"hidden": hidden, "gaps": gaps, "queued": queued, "empty": empty}
+    return {name: span.ms / 1e3 for name, span in spans.items()}
 
 
 def test_on_the_emulated_cluster_the_span_is_the_devices_first_to_last_collective():
     # As CUDA events read a GPU's stream: the host's Python around the launches is not link time, but a host
-    # that launches slower than the link leaves gaps the device waits through.
+    # that launches slower than the link leaves gaps the device waits through, unless a spin queued first
+    # keeps the stream busy until every launch is in.
     link = Link(0.001, 0.0)  # 4 KiB all-reduce over 2 ranks: 4.096 ms
     cluster = Cluster.emulated(gpus_per_node=2, intra_node=link, inter_node=link)
     link_s = collective_time_s("all_reduce", 4096, 2, link)
     for r in launch(_spans, link_s, world_size=2, cluster=cluster, timeout_s=60):
         assert r["hidden"] == pytest.approx(4 * link_s, rel=0.05)  # not 0.1 s more
         assert r["gaps"] == pytest.approx(3 * 2 * link_s + link_s, rel=0.05)
+        # bandwidth_test's spin: the collectives queue behind it and run back to back, as on a GPU's stream
+        assert r["queued"] == pytest.approx(4 * link_s, rel=0.05)
         assert r["empty"] == pytest.approx(0.01, rel=0.3)
 
 

@@ -51,6 +51,7 @@ class VirtualClock:
         self._cpu0 = time.clock_gettime_ns(self._cpu_clock)
         self._waited_ns = 0  # forward jumps: time spent waiting for collectives
         self._excluded_ns = 0  # the emulator's own CPU time on the main thread
+        self._stream_free = 0.0  # virtual time a kernel queued with `occupy` ends (0: none queued)
         self._lock = threading.Lock()
         # The device timeline (newest kept): when the rank waited, and each collective from
         # issue to completion, both in virtual seconds. Compute is the time between waits.
@@ -71,6 +72,15 @@ class VirtualClock:
             raise RuntimeError("spend() is for a modelled clock (a simulated GPU); this one counts CPU time")
         with self._lock:
             self._modelled_ns += round(seconds * 1e9)
+
+    def occupy(self, seconds: float) -> None:
+        """Queue a kernel that keeps the device's stream busy for `seconds` from now (CUDA's `_sleep` kernel
+        on a GPU): a collective issued before it ends starts on the device when it ends."""
+        self._stream_free = self.now() + seconds
+
+    def device_ready(self) -> float:
+        """When the device would start work issued now: now, or the end of a kernel `occupy` queued."""
+        return max(self.now(), self._stream_free)
 
     def now(self) -> float:
         """This rank's virtual time in seconds (callable from any thread)."""

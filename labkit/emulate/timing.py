@@ -82,7 +82,7 @@ class VirtualTiming:
         self._backward_task = -1  # the autograd graph task whose end we wait at
 
     def issue(self, op: str, seconds: float, peer: int | None, name: str = "", nbytes: int = 0) -> tuple:
-        now = self.clock.now()
+        now = self.clock.device_ready()  # behind a kernel still running on the stream (`VirtualClock.occupy`)
         span = (name or op, now, nbytes)  # for the device timeline
         if peer is None:
             self._collectives += 1

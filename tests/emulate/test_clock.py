@@ -49,5 +49,15 @@ def test_the_clock_logs_its_waits_collectives_and_phases():
     assert list(clock.phases) == [("data", 0.0, 0.05)]
 
 
+def test_a_kernel_occupying_the_stream_delays_the_work_queued_behind_it():
+    clock = VirtualClock()
+    assert clock.device_ready() == pytest.approx(clock.now(), abs=1e-3)  # nothing queued: work starts now
+    t0 = clock.now()
+    clock.occupy(0.5)
+    assert clock.device_ready() == pytest.approx(t0 + 0.5, abs=1e-3)  # behind the spin
+    clock.advance_to(t0 + 1.0)
+    assert clock.device_ready() == pytest.approx(clock.now(), abs=1e-3)  # the spin has ended
+
+
 def test_one_clock_per_rank_process():
     assert rank_clock() is rank_clock()
