@@ -185,9 +185,8 @@ class OverlappedDDP(nn.Module):
         # The hooks hold the wrapper weakly and go when it goes, as torch DDP's reducer removes its hooks
         # when it is destroyed (reducer.cpp: ~Reducer calls remove_autograd_hooks). A bound method would
         # close the cycle parameter -> hook -> wrapper -> buckets -> parameter, which only the garbage
-        # collector frees, and it does not where the parameters are FakeTensors (a simulated machine):
-        # measured, each dropped training job there left its parameters and Adam states allocated (10.7 MiB
-        # for lab 02's model).
+        # collector frees, and it does not where the parameters are FakeTensors (a simulated machine): each
+        # dropped training job there would keep its parameters and Adam states allocated.
         self._hooks = [
             p.register_post_accumulate_grad_hook(_ready_hook(weakref.ref(self)))
             for b in self.buckets
