@@ -54,8 +54,8 @@ def _run(
     all K (`ENQUEUE_S` each): the start event then fires with the collectives already queued.
     On the virtual clock (the emulated cluster, CI's fake CUDA machine) the span is read from the
     emulated device's timeline in the same way (`timer.CollectivesSpan`), and the same spin is queued on
-    its emulated stream: without it, a host slowed by a busy machine left gaps between the first few
-    collectives of a small message (12 % off the model at 4 KiB, on a first launch).
+    its emulated stream: without it, a host that issues a small message's collectives more slowly than
+    the link runs them (a busy machine, a first launch) leaves gaps the span would count as link time.
     """
     timer.occupy_device(1e-3 + count * ENQUEUE_S)  # CUDA events (or the device timeline) bracket the span
     with timer.CollectivesSpan() as span:  # CUDA events on a GPU, the device timeline on the virtual clock
