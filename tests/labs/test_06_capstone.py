@@ -49,7 +49,7 @@ def test_the_script_under_torchrun(torchrun_lab, check_common):
 
 
 def test_the_notebook_on_a_simulated_node_finds_and_fixes_the_oom_and_the_straggler(run_solution):
-    """cluster="sim:dgx-h100" (one timed step, two traced: about 20 s on the 2-core VM): the exercises are the
+    """cluster="sim:dgx-h100" (one timed step, two traced: 45 s alone on the 2-core VM): the exercises are the
     memory formula and the knobs, so they run as anywhere; the jobs and the check run on two simulated H100s.
     The traces name the straggler, not the optimizer's .item()s on its CPU step counters, and its fix takes
     the step to the clean job's: 8.78 -> 7.04 ms, x0.80, a hair above the share target's 0.8 (4 ranks: x0.70).
