@@ -104,6 +104,12 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal(
         "torch._subclasses.fake_tensor",
+        "FakeTensorMode._prep_args_for_hash",
+        "the simulated cluster: a cheaper key for FakeTensorMode's cache of operators' outputs",
+        ("self", "result", "args", "state", "id_hashed_objects"),
+    ),
+    Internal(
+        "torch._subclasses.fake_tensor",
         "unset_fake_temporarily",
         "training.trainer: a DataLoader draws its base seed with .item(), which a FakeTensor cannot give",
     ),
@@ -255,10 +261,74 @@ def dispatch_mode_stack() -> list[Any]:
 
 
 def fake_tensor_mode() -> Any:
-    """A `FakeTensorMode`: tensors made inside have shapes and dtypes but no storage."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """A `FakeTensorMode`: tensors made inside have shapes and dtypes but no storage.
 
-    return FakeTensorMode()
+    Its cache of operators' outputs is keyed more cheaply than torch's own (`_cheaper_cache_key_mode`)."""
+    return _cheaper_cache_key_mode()()
+
+
+def _cheaper_cache_key_mode() -> type:
+    """FakeTensorMode with a cheaper key for its cache of operators' outputs, the same cache otherwise.
+
+    A FakeTensorMode caches each operator's output metadata under a key made from its arguments
+    (`FakeTensorMode._prep_args_for_hash`). torch turns every FakeTensor argument into a `TensorMetadata`
+    and flattens that field by field, recursing into its shape and strides; on a simulated rank that was
+    the most expensive part of an operator (py-spy: 18 % of lab 03's simulated ranks). Here a strided
+    FakeTensor of this mode, without symbolic shapes, becomes one tuple of the same facts, read from the
+    tensor in a few calls: dtype, shape, strides, device, layout, storage offset and bytes, requires_grad,
+    quantized, conj, neg, inference. torch's memory format is left out: it is a function of the shape and
+    strides. Anything else (another mode's tensor, a constant, a sparse tensor, a symbolic size, a
+    non-tensor) goes through torch's own method, which also decides when the cache is bypassed.
+    `tests/test_torch_compat.py` runs a training step with torch's cross-check of every cache hit."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    class CheaperCacheKeyMode(FakeTensorMode):
+        def _prep_args_for_hash(
+            self, result: list, args: Any, state: Any, id_hashed_objects: list
+        ) -> None:
+            if self.shape_env is not None or isinstance(args, dict):
+                super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+                return
+            if isinstance(args, (list, tuple)):
+                result.append(type(args))
+                result.append(len(args))
+            for arg in args:
+                if (
+                    isinstance(arg, FakeTensor)
+                    and arg.fake_mode is self
+                    and arg.constant is None
+                    and arg.layout == torch.strided
+                ):
+                    result.append(_CHEAPER_KEY)
+                    result.append(
+                        (
+                            arg.dtype,
+                            tuple(arg.shape),
+                            arg.stride(),
+                            arg.device,
+                            arg.storage_offset(),
+                            arg.untyped_storage().nbytes(),
+                            arg.requires_grad,
+                            arg.is_quantized,
+                            arg.is_conj(),
+                            arg.is_neg(),
+                            arg.is_inference(),
+                        )
+                    )
+                elif isinstance(arg, (list, tuple)):
+                    self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+                else:
+                    super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+    return CheaperCacheKeyMode
+
+
+class _CheaperKey:
+    """Marks a tensor's entry in a `_cheaper_cache_key_mode` key: torch's cache is shared by every
+    FakeTensorMode, and no key torch makes holds this object, so the two kinds of key never meet."""
+
+
+_CHEAPER_KEY = _CheaperKey()
 
 
 def real_tensors() -> Any:
