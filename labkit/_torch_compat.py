@@ -15,6 +15,7 @@ Neighbours: `labkit.emulate` (dispatch mode, process-group hooks, the group regi
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ __all__ = [
     "cuda_spin",
     "default_store",
     "dispatch_mode_stack",
+    "fake_constant",
     "fake_tensor_mode",
     "graph_task_id",
     "in_backward",
@@ -406,11 +408,23 @@ def real_object_collectives() -> None:
         setattr(dist, name, on_real_tensors)
 
 
-def is_fake(t: Any) -> bool:
-    """Is `t` a FakeTensor (shape and dtype, no storage)?"""
+@functools.cache
+def _fake_tensor_type() -> type:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor)
+    return FakeTensor
+
+
+def is_fake(t: Any) -> bool:
+    """Is `t` a FakeTensor (shape and dtype, no storage)? Asked around most operators of a simulated rank:
+    the class is looked up once."""
+    return isinstance(t, _fake_tensor_type())
+
+
+def fake_constant(t: Any) -> torch.Tensor | None:
+    """The real value a FakeTensor carries (`FakeTensor.constant`: a one-element tensor made from a real one,
+    such as an optimizer's step count, whose `.item()` FakeTensorMode answers from it), None otherwise."""
+    return getattr(t, "constant", None) if is_fake(t) else None
 
 
 def is_wrapper_subclass(t: Any) -> bool:

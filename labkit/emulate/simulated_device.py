@@ -60,6 +60,7 @@ _FREE = {
     _aten.detach, _aten.lift_fresh, _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided
 }
 _DEVICE_QUERY = torch.ops.prim.device.default
+_SCALAR_READ = _aten._local_scalar_dense.default
 # Namespaces of operators that launch no kernel: metadata (prim.device) and the profiler's range markers.
 _NO_KERNEL = {"prim", "profiler"}
 # In-place operators that overwrite their first argument without reading it.
@@ -273,6 +274,12 @@ class SimulatedDevice(compat.TorchDispatchMode):
             # 10 of what reaches this mode. The FakeTensorMode below answers with the tensor's `device`
             # property; answered here, the query skips a second Python dispatch.
             return args[0].device
+        if func is _SCALAR_READ and (constant := compat.fake_constant(args[0])) is not None:
+            # `.item()` of a FakeTensor that carries its real value: an optimizer's step count (torch keeps
+            # it on the CPU beside CUDA parameters: no GPU kernel), read twice per parameter per step. The
+            # FakeTensorMode below reads it the same way, after a cache lookup it always bypasses.
+            with compat.real_tensors():
+                return constant.item()
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace in _NO_KERNEL:

@@ -37,6 +37,22 @@ def test_a_matmul_advances_the_clock_by_its_modelled_time_and_a_view_by_nothing(
     assert isinstance(c, torch.Tensor) and c.shape == (8192, 8192)
 
 
+def test_an_optimizers_step_count_is_read_on_the_host_and_its_device_query_costs_nothing():
+    """Adam keeps each parameter's step count in a CPU tensor beside CUDA parameters and reads it with
+    `.item()`; on a simulated card that count is a FakeTensor carrying its value: read, it gives the value
+    and launches no kernel. A FakeTensor's device is what it was made on, no kernel either."""
+    clock = VirtualClock(modelled=True)
+    with compat.fake_tensor_mode():
+        step = torch.tensor(3.0)
+        with SimulatedDevice(H100, clock) as dev:
+            step.add_(1)  # a kernel, as torch._foreach_add_ over the counts is
+            after_add = clock.now()
+            assert step.item() == 4.0 and str(step.device) == "cpu"
+            x = torch.empty(4, 4, device="cuda")
+            assert x.device == torch.device("cuda", 0)
+    assert clock.now() == after_add and dev.times.ops["other"] == 1
+
+
 def test_a_gpt_step_at_gpu_size_counts_the_planners_flops():
     """Every linear layer of a 4-layer, 4096-wide GPT at 2048 tokens, forward and backward: the matmul FLOPs
     the simulated device counts are three times the planner's forward FLOPs (backward is twice the forward),
