@@ -354,3 +354,14 @@ def test_lab_00s_notebook_takes_a_simulated_node_at_its_gpu_sizes():
     made = params.from_cell({"cluster": "sim:dgx-h100", "world_size": 8})
     assert made.sizes_kib[-1] == 2**20  # 1 GiB, as on GPUs
     assert params.from_cell({"cluster": "cpu"}).sizes_kib[-1] == 4096
+
+
+def test_lab_01_refuses_a_global_batch_its_first_run_cannot_split_naming_the_fix():
+    """Two simulated DGX H100 nodes of 8 (`-p world_size 16`) at the default 32 sequences: plain data
+    parallelism, the lesson's first run, cannot give 16 replicas micro-batches of 4. Said before any rank
+    starts, with the value that works, not as a rank's error inside the run."""
+    params = registry.params_of("01_parallelism_choice")
+    with pytest.raises(ParamError) as info:
+        params.make({"cluster": "sim:dgx-h100", "world_size": 16}, "set").resolve()
+    assert info.value.name == "global_batch" and str(info.value).endswith("global_batch=64")
+    assert params.make({"world_size": 16, "global_batch": 64}).resolve().global_batch == 64
