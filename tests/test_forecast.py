@@ -258,7 +258,9 @@ def test_the_share_targets():
 
 
 def _lab01(nodes: int) -> Forecast:
-    p = Lab01(world_size=8 * nodes, nodes=nodes).resolve(on_gpu=True)
+    # the notebook's first run, plain data parallelism, gives every replica micro-batches of 4: 32 sequences
+    # on each node's 8 GPUs (Params.resolve refuses fewer)
+    p = Lab01(world_size=8 * nodes, nodes=nodes, global_batch=32 * nodes).resolve(on_gpu=True)
     dgx = dataclasses.replace(Cluster.preset("dgx-h100", nodes=nodes), memory_gib=p.memory_mib / 1024)
     rates = Rates(fp32_flops_per_s(DGX.gpu_name), 0.0, "fp32 on paper", DISPATCH_S)
     return layout_forecast(p.config(), dgx, p.global_batch, tuple(p.micro_batches), rates, where="DGX H100")
