@@ -269,6 +269,7 @@ def fake_tensor_mode() -> Any:
     return _cheaper_cache_key_mode()()
 
 
+@functools.cache
 def _cheaper_cache_key_mode() -> type:
     """FakeTensorMode with a cheaper key for its cache of operators' outputs, the same cache otherwise.
 
