@@ -14,7 +14,8 @@ dispatches:
   a clock of its own, as eager PyTorch runs ahead of an asynchronous GPU: a kernel starts when the previous
   one has ended and the host has issued it, so long kernels hide the host and short ones wait for it
   (the "host" share of `times`); reading the timer synchronises the two, as `torch.cuda.synchronize` does.
-  Views and metadata (a `view`, a `transpose`, `detach`) and allocations launch no kernel and cost nothing;
+  Views and metadata (a `view`, a `transpose`, `detach`), allocations and `.item()` of an optimizer's step
+  count (a CPU tensor on a GPU) launch no kernel and cost nothing;
 * counts the bytes of every new storage until it is freed, and raises `torch.OutOfMemoryError` past the
   card's memory, shaped like the CUDA allocator's message (tensor bytes only: no allocator rounding,
   fragmentation or CUDA context, which the message says). A storage resized in place (FSDP2 frees and
