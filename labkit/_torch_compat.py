@@ -280,8 +280,9 @@ def _cheaper_cache_key_mode() -> type:
     FakeTensor of this mode, without symbolic shapes, becomes one tuple of the same facts, read from the
     tensor in a few calls: dtype, shape, strides, device, storage offset and bytes, requires_grad,
     quantized, conj, neg, inference. The layout is strided on this path, and torch's memory format is left
-    out: it is a function of the shape and strides. Anything else (another mode's tensor, a constant, a sparse tensor, a symbolic size, a
-    non-tensor) goes through torch's own method, which also decides when the cache is bypassed.
+    out: it is a function of the shape and strides. Anything else (another mode's tensor, a constant, a
+    sparse tensor, a symbolic size, a non-tensor) goes through torch's own method, which also decides when
+    the cache is bypassed.
     `tests/test_torch_compat.py` runs a training step with torch's cross-check of every cache hit."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
