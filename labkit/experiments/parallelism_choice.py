@@ -79,14 +79,14 @@ class LayoutSummary:
 
 def _dp_all_reduce(params: list[torch.Tensor], process_group: dist.ProcessGroup | None, dp: int) -> int:
     """Average the gradients over the dp group in one flat all-reduce; returns its bytes."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat_grads = [p.grad.view(-1) for p in params if p.grad is not None]  # views: writing them writes .grad
+    flat = torch.cat(flat_grads)
     dist.all_reduce(flat, group=process_group)
     flat.div_(dp)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    # One split, and the copies into the same views: on the simulated machine a view of a new shape or offset
+    # is a new FakeTensor cache entry, each dearer than the copy it feeds
+    for g, averaged in zip(flat_grads, flat.split([g.numel() for g in flat_grads])):
+        g.copy_(averaged)
     return flat.numel() * flat.element_size()
 
 
