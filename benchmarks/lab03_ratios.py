@@ -19,7 +19,7 @@ from pathlib import Path
 
 import papermill
 
-from labkit.records import read_records
+from labkit.course.records import read_records
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "03_unoverlapped_comms.ipynb"
 TARGETS = {"after/before": 0.8, "after/limit": 1.25}

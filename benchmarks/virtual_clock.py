@@ -27,7 +27,7 @@ import time
 
 import labkit
 from labkit.bandwidth import bandwidth_test
-from labkit.experiments.unoverlapped_comms import summarize_steps, train_steps
+from labkit.course.experiments.unoverlapped_comms import summarize_steps, train_steps
 from labkit.links import collective_time_s
 from labkit.models import GPTConfig
 
@@ -102,8 +102,8 @@ def _ddp_step(world: int, per_rank: int) -> float:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from labkit.course.training.reference import rank_rows
     from labkit.models import seeded_model
-    from labkit.training.reference import rank_rows
 
     model = DDP(seeded_model(LAB03, 0), bucket_cap_mb=1.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -13,9 +13,9 @@ idea (docs/architecture.md has the map and the whole public surface):
 * parallelism: `Layout` (`labkit.layout`), `plan` (`labkit.planner`), `OverlappedDDP`,
   `allreduce_gradients_naive` (`labkit.parallel.data`), `bandwidth_test` (`labkit.bandwidth`),
   `bus_bandwidth_factor` (`labkit.links`);
-* the training job: `TrainingJob`, `MISTAKES` (`labkit.training`);
+* the training job: `TrainingJob`, `MISTAKES` (`labkit.course.training`);
 * traces: `capture`, `read_trace`, `overlap`, `plot_timeline`, `CommLog` (`labkit.trace`);
-* the course: `record`, `read_records` (`labkit.records`), `save_figure` (`labkit.figures`).
+* the course: `record`, `read_records` (`labkit.course.records`), `save_figure` (`labkit.course.figures`).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ _HOME = {
     "bandwidth_test": "labkit.bandwidth",
     "GPU": "labkit.cluster",
     "Cluster": "labkit.cluster",
-    "read_records": "labkit.records",
-    "record": "labkit.records",
-    "save_figure": "labkit.figures",
+    "read_records": "labkit.course.records",
+    "record": "labkit.course.records",
+    "save_figure": "labkit.course.figures",
     "MemoryBudget": "labkit.emulate",
     "RankError": "labkit.errors",
-    "MISTAKES": "labkit.training",
-    "TrainingJob": "labkit.training",
+    "MISTAKES": "labkit.course.training",
+    "TrainingJob": "labkit.course.training",
     "launch": "labkit.launcher",
     "Link": "labkit.links",
     "Machine": "labkit.machine",

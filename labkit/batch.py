@@ -4,7 +4,7 @@
 rank runs per optimizer step; ``choose_micro_batch`` picks the largest micro-batch that
 fits memory and still divides the batch evenly. Both raise, with the values and a fix,
 when the sizes do not divide: the optimizer would otherwise see another batch than asked.
-Lab 02 (``labkit.experiments.oom_batch``) uses them with ``labkit.find_max_batch``.
+Lab 02 (``labkit.course.experiments.oom_batch``) uses them with ``labkit.find_max_batch``.
 """
 
 from __future__ import annotations

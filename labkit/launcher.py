@@ -74,7 +74,7 @@ _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "lab
         "labkit.parallel",
         "labkit.planner",
         "labkit.trace",
-        "labkit.training",
+        "labkit.course.training",
     ]
     if torch.version.cuda is None
     else []

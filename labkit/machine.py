@@ -9,12 +9,12 @@ Three kinds stand behind one value (`kind`): real GPUs ("gpu", NCCL, CUDA's cach
 CUDA machine, `labkit.emulate.fake_cuda`, is one too, with tensors on the CPU), the emulated cluster
 ("emulated": CPU processes, gloo under the link model, the virtual clock) and a simulated described machine
 ("simulated": FakeTensors, each operator timed on the described GPU). A script's ranks that torchrun started
-are described by `labkit.experiments.script.Where` instead. What each answers:
+are described by `labkit.course.experiments.script.Where` instead. What each answers:
 
 * where values are checked: `computes_values`, `for_values()` (a simulated machine computes none, so
   numerics are checked on the emulated cluster at the same ranks);
 * time: `times_noisy` (repeated steps differ), `judged_by_verdict` (the lesson is judged by the course's
-  targets, `labkit.forecast.verdict`, not by the emulated cluster's exact checks), `gpu_name`,
+  targets, `labkit.course.forecast.verdict`, not by the emulated cluster's exact checks), `gpu_name`,
   `times_host_python` (a tokenizer in the loop costs time), `fp32_peak()` (MFU's denominator),
   `runs_cuda_kernels` (what Nsight Systems traces);
 * memory: `limited(mib)` and `counting()` (the cluster to run a step under a cap, or where nothing runs out),
@@ -142,7 +142,7 @@ class Machine:
 
     @property
     def judged_by_verdict(self) -> bool:
-        """Is a lesson judged by the course's targets (`labkit.forecast.verdict`: real or fake GPUs, a
+        """Is a lesson judged by the course's targets (`labkit.course.forecast.verdict`: real or fake GPUs, a
         simulated machine), rather than by the emulated cluster's exact checks?"""
         return self.cluster.kind in ("gpu", "simulated")
 

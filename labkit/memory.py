@@ -32,7 +32,7 @@ verified against ``measure``. Recomputation (``estimate``'s ``checkpointing``): 
 (the paper's section 5: the attention scores only, s*b*h*34 per layer) or full (each layer's input).
 
 Neighbours: ``labkit.measured_memory`` measures what these formulas predict (MemTracker, FakeTensor,
-the batch-size finder); ``labkit.experiments.oom_batch`` is lab 02's driver.
+the batch-size finder); ``labkit.course.experiments.oom_batch`` is lab 02's driver.
 """
 
 from __future__ import annotations

@@ -26,13 +26,13 @@ below those of a short benchmark), shares SMs with NCCL's kernels, and waits in 
 that no single kernel shows. None of these is modelled one by one; together they are one fitted share,
 `SUSTAINED`: every kernel takes 1 / SUSTAINED times its isolated time. It was fitted end to end, on published
 training runs, not on kernels: MosaicML's MPT benchmarks with FSDP on 8 H100s (llm-foundry, "H100 80GB BF16",
-`labkit.experiments.published_fsdp_runs`). Simulated with the share at 1, the 1B, 7B and 30B rows ran 1.28,
-1.18 and 1.16 times faster than published; their geometric mean, 1.21, is 1 / SUSTAINED. Held out: the 760M,
-3B and 13B rows (1.47, 1.36, 1.03 before the fit; 1.22, 1.13, 0.85 after), and Narayanan et al. 2021's Table 1
-on A100s (`published_runs`). Since carried from 3 and 4 blocks with a per-parameter AdamW (as the rows ran),
-the fitted rows come out 1.02, 0.97, 0.97 and the held-out ones 1.20, 1.12, 0.85, the share not refitted.
-What it still leaves out: L2 cache reuse between operators, cuBLAS's choice among tile shapes, a model's size
-changing the share (small models lose more: the 760M row stays 1.20 optimistic).
+`labkit.course.experiments.published_fsdp_runs`). Simulated with the share at 1, the 1B, 7B and 30B rows ran
+1.28, 1.18 and 1.16 times faster than published; their geometric mean, 1.21, is 1 / SUSTAINED. Held out: the
+760M, 3B and 13B rows (1.47, 1.36, 1.03 before the fit; 1.22, 1.13, 0.85 after), and Narayanan et al. 2021's
+Table 1 on A100s (`published_runs`). Since carried from 3 and 4 blocks with a per-parameter AdamW (as the rows
+ran), the fitted rows come out 1.02, 0.97, 0.97 and the held-out ones 1.20, 1.12, 0.85, the share not
+refitted. What it still leaves out: L2 cache reuse between operators, cuBLAS's choice among tile shapes, a
+model's size changing the share (small models lose more: the 760M row stays 1.20 optimistic).
 The formulas run nothing.
 """
 

@@ -233,7 +233,7 @@ def _cluster_rates(cluster: Cluster, efficiency: float) -> Rates:
         )
     raise ValueError(
         "no compute rate for this cluster: pass rates=labkit.planner.Rates(flops_per_s=...) "
-        "(e.g. measured with labkit.experiments.parallelism_choice.measure_rates)"
+        "(e.g. measured with labkit.course.experiments.parallelism_choice.measure_rates)"
     )
 
 

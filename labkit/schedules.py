@@ -14,7 +14,7 @@
 stage's forward of the same micro-batch; a backward the next stage's backward, and its own forward), a forward
 costing 1/v and a backward 2/v of a stage's work, and returns each rank's spans, the step, the bubble and the
 most micro-batch activations each rank holds at once: what `labkit.pipeline_plan.bubble_fraction` and
-`in_flight` say, derived by running the schedule. `labkit.widgets.pipeline_explorer` draws it."""
+`in_flight` say, derived by running the schedule. `labkit.course.widgets.pipeline_explorer` draws it."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@
 Every public function of labkit checks its input with these before it starts any work
 (torchtitan's style: say what was given, what is allowed, and what to write instead).
 
-A lab's parameters (`labkit.experiments.params`) fail with `ParamError`, a ValueError that also knows where
-the value was typed, so that its fix reads as the user would type it:
+A lab's parameters (`labkit.course.experiments.params`) fail with `ParamError`, a ValueError that also knows
+where the value was typed, so that its fix reads as the user would type it:
 
     n_layers=0 must be a whole number with >= 1; set it with --set n_layers 6
 """

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# The kernels papermill starts in the tests print quizzes as text (labkit.quiz.show), as `labkit run` does.
+# The kernels papermill starts in the tests print quizzes as text (labkit.course.quiz.show), as `labkit run`
+# does.
 os.environ.setdefault("LABKIT_TEXT_ONLY", "1")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,8 +62,8 @@ def repo() -> Path:
 
 @pytest.fixture(scope="session")
 def labkit_env() -> dict[str, str]:
-    """The environment of a subprocess (a kernel, `python -m labkit.cli`) that must import this checkout's
-    labkit even where it is not pip-installed."""
+    """The environment of a subprocess (a kernel, `python -m labkit.course.cli`) that must import this
+    checkout's labkit even where it is not pip-installed."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env

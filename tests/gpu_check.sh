@@ -178,7 +178,7 @@ for line in "${selected[@]}"; do
       run_step preflight "$limit" bash -c '
         if command -v nvidia-smi >/dev/null; then nvidia-smi; else echo "nvidia-smi: not on PATH"; fi
         "$0" tests/gpu_rows.py preflight "$1" || exit 2
-        "$0" -m labkit.cli doctor --cluster auto' "$PY" "$logs"
+        "$0" -m labkit.course.cli doctor --cluster auto' "$PY" "$logs"
       if [ -f "$logs/stop" ]; then
         finish
         echo "gpu_check.sh: the GPU checks cannot run here: $(cat "$logs/stop")"

@@ -421,7 +421,7 @@ def run_pytest(args: list[str]) -> int:
 
 
 def _lab02(on_gpu: bool) -> tuple[str, bool]:
-    from labkit.experiments.oom_batch import Params, dp_train, fixed_micro_batch
+    from labkit.course.experiments.oom_batch import Params, dp_train, fixed_micro_batch
 
     p = Params(world_size=1).resolve(on_gpu=on_gpu)
     micro, est = fixed_micro_batch(p)
@@ -436,7 +436,7 @@ def _lab02_capped(on_gpu: bool) -> tuple[str, bool]:
     import torch
 
     from labkit import device_memory
-    from labkit.experiments.oom_batch import Params, dp_train, fixed_micro_batch
+    from labkit.course.experiments.oom_batch import Params, dp_train, fixed_micro_batch
 
     p = Params(world_size=1).resolve(on_gpu=on_gpu)
     micro, _ = fixed_micro_batch(p)
@@ -454,7 +454,7 @@ def _lab02_capped(on_gpu: bool) -> tuple[str, bool]:
 
 def _finder(on_gpu: bool) -> tuple[str, bool]:
     from labkit import device_memory
-    from labkit.experiments.oom_batch import Params, max_micro_batch
+    from labkit.course.experiments.oom_batch import Params, max_micro_batch
 
     p = Params(world_size=1).resolve(on_gpu=on_gpu)
     with device_memory.memory_limit(int(p.memory_mib * MiB)):
@@ -465,7 +465,7 @@ def _finder(on_gpu: bool) -> tuple[str, bool]:
 
 def _fragmentation(fix: str | None) -> Callable[[bool], tuple[str, bool]]:
     def check(on_gpu: bool) -> tuple[str, bool]:
-        from labkit.experiments.fragmentation import fragment
+        from labkit.course.experiments.fragmentation import fragment
 
         r = fragment(180, fix)
         expect_oom = fix in (None, "empty_cache")
@@ -478,7 +478,7 @@ def _fragmentation(fix: str | None) -> Callable[[bool], tuple[str, bool]]:
 
 
 def _precisions(on_gpu: bool) -> tuple[str, bool]:
-    from labkit.experiments.precision import compare_precisions
+    from labkit.course.experiments.precision import compare_precisions
     from labkit.models import GPTConfig
 
     small = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
@@ -488,7 +488,7 @@ def _precisions(on_gpu: bool) -> tuple[str, bool]:
 
 def _lab04_layers(on_gpu: bool) -> tuple[str, bool]:
     import labkit
-    from labkit.experiments.imbalanced_pipeline import Params
+    from labkit.course.experiments.imbalanced_pipeline import Params
     from labkit.layer_profile import profile_layers
     from labkit.models import seeded_model, synthetic_batch
 
@@ -508,8 +508,8 @@ def _lab03_compute(on_gpu: bool) -> tuple[str, bool]:
 
     import labkit
     from labkit import Cluster
-    from labkit.experiments.unoverlapped_comms import Params
-    from labkit.forecast import fp32_flops_per_s, overlap_forecast
+    from labkit.course.experiments.unoverlapped_comms import Params
+    from labkit.course.forecast import fp32_flops_per_s, overlap_forecast
     from labkit.models import seeded_model, synthetic_batch
 
     if not on_gpu:

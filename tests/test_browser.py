@@ -57,10 +57,10 @@ def _notebook(path: Path) -> None:
             "metadata": {},
             "execution_count": None,
             "outputs": [],
-            "source": ["import labkit\n", "import labkit.quiz\n", "import labkit.widgets"],
+            "source": ["import labkit\n", "import labkit.course.quiz\n", "import labkit.course.widgets"],
         }
     ]
-    cells += _lab_cells("labkit.widgets.memory_calculator(", "labkit.quiz.show(")
+    cells += _lab_cells("labkit.course.widgets.memory_calculator(", "labkit.course.quiz.show(")
     for i, c in enumerate(cells):
         c["id"] = f"cell{i}"
         c["outputs"], c["execution_count"] = [], None

@@ -1,4 +1,4 @@
-"""labkit.cli: `labkit doctor`'s verdict where the GPUs asked for are missing, and `labkit quiz` in a
+"""labkit.course.cli: `labkit doctor`'s verdict where the GPUs asked for are missing, and `labkit quiz` in a
 terminal."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from labkit import quiz
-from labkit.cli import main
+from labkit.course import quiz
+from labkit.course.cli import main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
@@ -21,7 +21,7 @@ def test_doctor_gives_a_verdict_where_there_is_no_gpu(capsys):
 
 def test_labkit_quiz_in_the_terminal(labkit_env):
     out = subprocess.run(
-        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "profiling", "--print"],
+        [sys.executable, "-m", "labkit.course.cli", "quiz", "--topic", "profiling", "--print"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -30,7 +30,7 @@ def test_labkit_quiz_in_the_terminal(labkit_env):
     assert out.returncode == 0 and "Answers" in out.stdout
     answers = "".join(("a" if q.kind == "choice" else "1") + "\n" for q in quiz.bank("cluster"))
     out = subprocess.run(
-        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "cluster"],
+        [sys.executable, "-m", "labkit.course.cli", "quiz", "--topic", "cluster"],
         input=answers,
         capture_output=True,
         text=True,
@@ -39,7 +39,7 @@ def test_labkit_quiz_in_the_terminal(labkit_env):
     )
     assert out.returncode == 0 and "score by topic" in out.stdout
     out = subprocess.run(
-        [sys.executable, "-m", "labkit.cli", "quiz", "--topic", "nope"],
+        [sys.executable, "-m", "labkit.course.cli", "quiz", "--topic", "nope"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -54,7 +54,7 @@ def test_labkit_run_writes_a_report_in_a_folder_of_its_own(repo, labkit_env, tmp
     cmd = [
         sys.executable,
         "-m",
-        "labkit.cli",
+        "labkit.course.cli",
         "run",
         "--lab",
         "00",
@@ -123,7 +123,7 @@ def test_labkit_run_checks_the_parameters_before_a_kernel_starts(
 def test_the_command_refuses_a_value_a_notebook_would_with_exit_2_and_no_traceback(
     repo, labkit_env, tmp_path
 ):
-    cmd = [sys.executable, "-m", "labkit.cli", "run", "--quiet", "--out", str(tmp_path / "runs")]
+    cmd = [sys.executable, "-m", "labkit.course.cli", "run", "--quiet", "--out", str(tmp_path / "runs")]
     proc = subprocess.run(
         [*cmd, "--lab", "04", "-p", "stages", "3"],
         cwd=repo,
@@ -164,7 +164,7 @@ def test_doctor_on_a_node_with_one_gpu_says_which_labs_use_it(capsys, monkeypatc
 
 
 def _fake_lab(outcomes: dict[str, str]):
-    """A stand-in for `labkit.cli._run_lab` that 'runs' a lab instantly with the outcome given per lab
+    """A stand-in for `labkit.course.cli._run_lab` that 'runs' a lab instantly with the outcome given per lab
     (passed, failed, or interrupted: Ctrl-C in its cell 7, after writing a partial copy)."""
     from labkit.course.execute import Interrupted
 
@@ -189,7 +189,7 @@ def _fake_lab(outcomes: dict[str, str]):
 def test_latest_moves_only_for_a_run_of_every_lab_that_passed(repo, tmp_path, monkeypatch, capsys):
     """A failed run, or a one-lab run, keeps its own folder and says where `latest` still points: the last
     good full report stays one path away (issue 28, point 8)."""
-    import labkit.cli as cli
+    import labkit.course.cli as cli
 
     runs = tmp_path / "runs"
     args = ["run", "--root", str(repo), "--out", str(runs), "--quiet"]
@@ -210,7 +210,7 @@ def test_latest_moves_only_for_a_run_of_every_lab_that_passed(repo, tmp_path, mo
 def test_ctrl_c_in_a_lab_says_where_and_what_was_kept_in_one_line(repo, tmp_path, monkeypatch, capsys):
     import json
 
-    import labkit.cli as cli
+    import labkit.course.cli as cli
 
     monkeypatch.setattr(cli, "_run_lab", _fake_lab({"02": "interrupted"}))
     code = main(["run", "--root", str(repo), "--out", str(tmp_path / "runs"), "--quiet"])
@@ -235,7 +235,7 @@ def test_ctrl_c_during_labkit_run_ends_it_in_one_line_with_no_process_left(repo,
     import time
 
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "01", "--quiet", "--out", str(runs)]
+    cmd = [sys.executable, "-m", "labkit.course.cli", "run", "--lab", "01", "--quiet", "--out", str(runs)]
     proc = subprocess.Popen(
         cmd,
         cwd=repo,

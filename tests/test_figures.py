@@ -1,11 +1,11 @@
-"""labkit.figures: a lab's figures are written only where `labkit run` asks for them."""
+"""labkit.course.figures: a lab's figures are written only where `labkit run` asks for them."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pytest
 
-from labkit.figures import FIGURES_ENV, save_figure
+from labkit.course.figures import FIGURES_ENV, save_figure
 
 
 def test_nothing_is_written_outside_labkit_run(tmp_path, monkeypatch):

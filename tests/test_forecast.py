@@ -1,6 +1,6 @@
-"""labkit.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults (labs 00, 01, 03,
-04, 05 and the capstone's timing; lab 02's memory on a card, and the capstone's, are replayed through the
-caching-allocator model in tests/experiments/test_oom_batch_gpu.py and test_capstone_gpu.py).
+"""labkit.course.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults (labs 00,
+01, 03, 04, 05 and the capstone's timing; lab 02's memory on a card, and the capstone's, are replayed through
+the caching-allocator model in tests/experiments/test_oom_batch_gpu.py and test_capstone_gpu.py).
 
 The course's targets (after/before <= 0.8, after/limit <= 1.25; a bandwidth's inverted; a planted mistake's
 share) are asserted on the forecast of each lab's GPU defaults on a DGX H100 (one node: two ranks and all
@@ -18,20 +18,20 @@ import random
 import pytest
 
 from labkit import Cluster
-from labkit.experiments.capstone import GPU_MODEL as CAPSTONE_GPU_MODEL
-from labkit.experiments.capstone import Capstone
-from labkit.experiments.capstone import Params as CapstoneParams
-from labkit.experiments.capstone import clean_job as capstone_clean_job
-from labkit.experiments.capstone import dealt as capstone_dealt
-from labkit.experiments.capstone import draw as capstone_draw
-from labkit.experiments.cluster_tour import Params as Lab00
-from labkit.experiments.imbalanced_pipeline import Params as Lab04
-from labkit.experiments.parallelism_choice import Params as Lab01
-from labkit.experiments.unoverlapped_comms import Params as Lab03
-from labkit.experiments.unprofiled_run import MYSTERY_KINDS, fixed_job, kinds_that_show, mystery_job
-from labkit.experiments.unprofiled_run import Params as Lab05
-from labkit.experiments.unprofiled_run import clean_job as lab05_clean_job
-from labkit.forecast import (
+from labkit.course.experiments.capstone import GPU_MODEL as CAPSTONE_GPU_MODEL
+from labkit.course.experiments.capstone import Capstone
+from labkit.course.experiments.capstone import Params as CapstoneParams
+from labkit.course.experiments.capstone import clean_job as capstone_clean_job
+from labkit.course.experiments.capstone import dealt as capstone_dealt
+from labkit.course.experiments.capstone import draw as capstone_draw
+from labkit.course.experiments.cluster_tour import Params as Lab00
+from labkit.course.experiments.imbalanced_pipeline import Params as Lab04
+from labkit.course.experiments.parallelism_choice import Params as Lab01
+from labkit.course.experiments.unoverlapped_comms import Params as Lab03
+from labkit.course.experiments.unprofiled_run import MYSTERY_KINDS, fixed_job, kinds_that_show, mystery_job
+from labkit.course.experiments.unprofiled_run import Params as Lab05
+from labkit.course.experiments.unprofiled_run import clean_job as lab05_clean_job
+from labkit.course.forecast import (
     HBM_BYTES_PER_S,
     Forecast,
     bandwidth_forecast,
@@ -45,10 +45,10 @@ from labkit.forecast import (
     pipeline_forecast,
     verdict,
 )
+from labkit.course.training.mistakes import MISTAKES
 from labkit.links import collective_time_s
 from labkit.models import GPTConfig
 from labkit.planner import DISPATCH_S, Rates
-from labkit.training.mistakes import MISTAKES
 
 DGX = Cluster.preset("dgx-h100")
 

@@ -28,7 +28,7 @@ FORMULAS = [
     "pipeline_plan",
     "planner",
     "layout",
-    "forecast",
+    "course/forecast",
 ]
 
 
@@ -70,7 +70,7 @@ def test_a_notebook_imports_only_public_names(nb):
             public = set(getattr(importlib.import_module(module), "__all__", []))
             for name in names:
                 if hasattr(importlib.import_module(module), "__path__") and f"{module}.{name}" in _packages():
-                    continue  # a submodule (`from labkit import quiz`)
+                    continue  # a submodule (`from labkit.course import quiz`)
                 assert name in public, f"{nb.stem}: `from {module} import {name}`: not in {module}.__all__"
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from labkit.cluster import Cluster
-from labkit.experiments.oom_batch import Params
+from labkit.course.experiments.oom_batch import Params
 from labkit.machine import LARGE_SEGMENT_BYTES, Machine
 
 
@@ -47,7 +47,7 @@ def test_a_gpu_caps_reserved_segments_takes_for_each_adam_and_keeps_a_large_segm
 
 
 def test_lab_02s_fixed_step_keeps_a_large_segment_spare_on_a_card_but_not_on_the_emulated_cluster():
-    from labkit.experiments.oom_batch import fixed_micro_batch
+    from labkit.course.experiments.oom_batch import fixed_micro_batch
 
     p = Params().resolve(on_gpu=True)  # 64 MiB, 64 sequences per rank
     on_card, _ = fixed_micro_batch(p, _gpu())

@@ -160,8 +160,9 @@ def test_help_and_import_do_not_import_torch() -> None:
     import subprocess
 
     code = (
-        "import sys, labkit, labkit.cli\ntry:\n    labkit.cli.main(['--help'])\nexcept SystemExit:\n    "
-        "pass\nassert 'torch' not in sys.modules, 'torch was imported'\nfrom labkit import launch, "
+        "import sys, labkit, labkit.course.cli\ntry:\n    labkit.course.cli.main(['--help'])\n"
+        "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+        "from labkit import launch, "
         "measure\nimport labkit.launcher, labkit.measured_memory\nassert callable(labkit.launch) and "
         "callable(labkit.measure), (labkit.launch, labkit.measure)\nassert labkit.memory.estimate is "
         "labkit.estimate\nassert set(labkit.__all__) <= set(dir(labkit))\n"

@@ -1,5 +1,5 @@
-"""labkit.records: record() inside an executed notebook, and read_records() reading it back (also from lines a
-worker printed); what it refuses. The run report that reads them: tests/course/test_report.py."""
+"""labkit.course.records: record() inside an executed notebook, and read_records() reading it back (also from
+lines a worker printed); what it refuses. The run report that reads them: tests/course/test_report.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from labkit.records import LINE_PREFIX, RECORD_MIME, read_records, record
+from labkit.course.records import LINE_PREFIX, RECORD_MIME, read_records, record
 
 
 def _notebook(*sources: str) -> nbformat.NotebookNode:
@@ -22,7 +22,7 @@ def _notebook(*sources: str) -> nbformat.NotebookNode:
 
 def test_records_round_trip_through_an_executed_notebook(tmp_path: Path, kernel_finds_labkit: None) -> None:
     nb = _notebook(
-        "from labkit.records import record",
+        "from labkit.course.records import record",
         "record('before', 812.5)\nrecord('unit', 'ms')",
         "record('after', 2)\nrecord('after', 3)  # the last value wins",
         "record('shape', (2, 3))\nrecord('extra', {'ranks': 2, 'ok': True, 'none': None})",

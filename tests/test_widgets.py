@@ -1,6 +1,6 @@
-"""labkit.widgets: the memory calculator (its bars are `labkit.memory.estimate`'s, its controls redraw it, a
-refused layout says why, and without widgets it is the static figure) and the pipeline explorer (it draws
-`labkit.schedules`' simulation and says why it cannot)."""
+"""labkit.course.widgets: the memory calculator (its bars are `labkit.memory.estimate`'s, its controls redraw
+it, a refused layout says why, and without widgets it is the static figure) and the pipeline explorer (it
+draws `labkit.schedules`' simulation and says why it cannot)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from dataclasses import replace
 import matplotlib
 import pytest
 
-from labkit.memory import estimate
-from labkit.models import GPTConfig
-from labkit.widgets import (
+from labkit.course.widgets import (
     CARDS,
     MemoryCalculator,
     at_peak,
@@ -22,6 +20,8 @@ from labkit.widgets import (
     pipeline_explorer,
     pipeline_figure,
 )
+from labkit.memory import estimate
+from labkit.models import GPTConfig
 
 matplotlib.use("Agg")
 

@@ -5,7 +5,7 @@ GPUs (`Cluster.detect`), a small all-reduce on the cluster asked for, one line p
 default, on how many ranks and why (`where_labs_run`: each lab's `Params.for_machine` rule and its
 `RANKS_WHY`), the labs that also run on a simulated DGX, and a one-line verdict. `describe_machine` prints the
 same table for a machine you do not have (`labkit doctor --as dgx-h100`, `machine_named`), without a GPU and
-without starting a rank. The command line (`labkit.cli`) only parses its options.
+without starting a rank. The command line (`labkit.course.cli`) only parses its options.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from labkit.cluster import Cluster
-    from labkit.experiments.params import LabParams
+    from labkit.course.experiments.params import LabParams
 
 __all__ = ["NOT_READY", "describe_machine", "doctor", "lab_line", "machine_named", "where_labs_run"]
 
-NOT_READY = 1  # the exit status of a machine that is not ready (labkit.cli.EXIT_FAILED)
+NOT_READY = 1  # the exit status of a machine that is not ready (labkit.course.cli.EXIT_FAILED)
 _INDENT = " " * 10  # under the first column's words ("labs      ")
 
 
@@ -62,7 +62,7 @@ def where_labs_run(gpus: int, machine: Cluster | None = None) -> None:
     """One line per lab (`lab_line`) for a node with `gpus` GPUs: this machine's, or one of `machine`'s
     nodes (a described preset: `labkit run` starts each notebook's ranks on one machine); then the labs that
     also run on a simulated machine."""
-    from labkit.experiments import registry
+    from labkit.course.experiments import registry
 
     if machine is None:
         print("labs      where each runs here by default (its cluster, its ranks, and why):")
@@ -92,8 +92,8 @@ def describe_machine(machine: Cluster) -> int:
             f"nodes     labkit run starts each notebook's ranks on one machine: {per_node} GPUs of one node, "
             f"as above. A lab's script uses all {machine.world_size} GPUs of the {machine.nodes} nodes under "
             f"torchrun, started on each node: torchrun --nnodes {machine.nodes} --nproc-per-node {per_node} "
-            "--rdzv-backend c10d --rdzv-endpoint HOST:29500 -m labkit.experiments.<lab> (README: several "
-            "nodes); there lab 01's tensor parallelism crosses a real link between nodes"
+            "--rdzv-backend c10d --rdzv-endpoint HOST:29500 -m labkit.course.experiments.<lab> "
+            "(README: several nodes); there lab 01's tensor parallelism crosses a real link between nodes"
         )
     return 0
 

@@ -29,8 +29,8 @@ from typing import Any
 import nbformat
 
 from labkit.course.execute import execute
+from labkit.course.experiments import registry
 from labkit.course.parameters import PARAMETERS_TAG, parameters_source, with_parameters
-from labkit.experiments import registry
 
 __all__ = [
     "BEGIN_SOLUTION",

@@ -1,4 +1,4 @@
-"""Each notebook's parameters cell, written from its lab's `Params` (`labkit.experiments.params`).
+"""Each notebook's parameters cell, written from its lab's `Params` (`labkit.course.experiments.params`).
 
 `parameters_source(Params)` is the cell's code: one `name = default  # doc` line per field, the values as
 literals papermill can override. `labkit build` writes it into the solution notebook (and so the lab), and
@@ -21,8 +21,8 @@ from typing import Any
 
 import nbformat
 
-from labkit.experiments import registry
-from labkit.experiments.params import RANK_WORDS, LabParams, ParamError
+from labkit.course.experiments import registry
+from labkit.course.experiments.params import RANK_WORDS, LabParams, ParamError
 
 __all__ = ["PARAMETERS_TAG", "LabParamError", "lab_parameters", "parameters_source", "with_parameters"]
 

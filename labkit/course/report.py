@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from labkit.experiments import registry
-from labkit.records import read_records
+from labkit.course.experiments import registry
+from labkit.course.records import read_records
 
 __all__ = ["HEADLINE_KEYS", "write_report"]
 

@@ -19,7 +19,7 @@ under `no_sync()`, so a DDP model all-reduces once per optimizer step;
 `accumulate_without_no_sync` is the silent mistake that all-reduces after every micro-step.
 
 Process groups are passed explicitly (`process_group=None` is the default group). The lab
-drivers that time these are in `labkit.experiments`.
+drivers that time these are in `labkit.course.experiments`.
 """
 
 from __future__ import annotations

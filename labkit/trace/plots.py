@@ -5,7 +5,7 @@ traced step nearest the median (`typical_step`) with the recorded median marked,
 record show the same run (a last step that happened to be slow is not the step the lab records).
 `mark_diagnosis` marks on such a figure what `diagnose` found (lab 05). `plot_pipeline` draws a
 pipeline step as a Gantt chart, one row per rank, each forward and backward
-of each micro-batch where it ran (lab 04, from `labkit.experiments.imbalanced_pipeline`'s spans).
+of each micro-batch where it ran (lab 04, from `labkit.course.experiments.imbalanced_pipeline`'s spans).
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.cli import EXIT_USAGE, main
 from labkit.course import grade
+from labkit.course.cli import EXIT_USAGE, main
+from labkit.course.experiments.capstone import EXAM_SECRET_ENV
 from labkit.course.grade import TABLE_STATUS_CHARS, LabGrade, check_cells, grade_folder
-from labkit.experiments.capstone import EXAM_SECRET_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_grade_reports_a_finished_and_an_unfinished_lab(tmp_path, repo, labkit_e
         [
             sys.executable,
             "-m",
-            "labkit.cli",
+            "labkit.course.cli",
             "grade",
             str(tmp_path),
             "--csv",
@@ -171,8 +171,8 @@ def _lab04_fixture(before_ms: float, after_ms: float, extra: list[str]) -> nbfor
     params = nbformat.v4.new_code_cell('cluster = "auto"\nsteps = 3', metadata={"tags": ["parameters"]})
     setup = nbformat.v4.new_code_cell(
         "from types import SimpleNamespace\n"
-        "from labkit.experiments.imbalanced_pipeline_checks import check_pipeline\n"
-        "from labkit.forecast import verdict\n"
+        "from labkit.course.experiments.imbalanced_pipeline_checks import check_pipeline\n"
+        "from labkit.course.forecast import verdict\n"
         "def run(step_ms):\n"
         "    return SimpleNamespace(step_ms=step_ms, limit_ms=90.0, imbalance=1.1, grad_error=1e-7,\n"
         "                           loss_error=1e-7, sizes=[7, 6, 6, 7], micro_batches=8, bubble=0.3,\n"
@@ -220,7 +220,7 @@ def test_grade_passes_each_lab_its_parameters_reports_lab_04s_end_to_end_check_a
         [
             sys.executable,
             "-m",
-            "labkit.cli",
+            "labkit.course.cli",
             "grade",
             str(tmp_path),
             "--csv",

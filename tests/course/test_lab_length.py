@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from labkit.experiments import registry
+from labkit.course.experiments import registry
 
 MAIN_PATH_WORDS = (
     2500  # the course review's bound (issue 46): about 12 minutes of reading at 200 words a minute

@@ -9,8 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labkit.course.records import RECORD_MIME
 from labkit.course.report import _measured_on, write_report
-from labkit.records import RECORD_MIME
 
 
 def _notebook(*sources: str) -> nbformat.NotebookNode:

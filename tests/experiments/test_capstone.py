@@ -11,11 +11,19 @@ import pytest
 import torch
 
 from labkit import Cluster, RankError, launch
-from labkit.experiments.capstone import DEALT, EXAM_SECRET_ENV, GPU_MODEL, dealt, draw, exam_secret, train
+from labkit.course.experiments.capstone import (
+    DEALT,
+    EXAM_SECRET_ENV,
+    GPU_MODEL,
+    dealt,
+    draw,
+    exam_secret,
+    train,
+)
+from labkit.course.training import MISTAKES, TrainingJob
+from labkit.course.training.job import job_name
+from labkit.course.training.mistakes import planted_by_knobs
 from labkit.machine import Machine
-from labkit.training import MISTAKES, TrainingJob
-from labkit.training.job import job_name
-from labkit.training.mistakes import planted_by_knobs
 
 CPU = Cluster.emulated(gpus_per_node=2)
 
@@ -79,8 +87,8 @@ def test_on_a_simulated_node_every_seed_deals_the_two_mistakes_the_simulation_ti
 
 def test_the_script_deals_the_simulated_capstone_on_a_simulated_node(monkeypatch):
     # the script's headline asks for the deal of the machine it runs on (its whole run: the notebook's test)
-    from labkit.experiments import capstone
-    from labkit.experiments.script import Where
+    from labkit.course.experiments import capstone
+    from labkit.course.experiments.script import Where
 
     asked = {}
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from labkit import Cluster
-from labkit.experiments.capstone import draw
-from labkit.experiments.capstone_checks import check_capstone
+from labkit.course.experiments.capstone import draw
+from labkit.course.experiments.capstone_checks import check_capstone
 
 CPU = Cluster.emulated(gpus_per_node=2)
 

@@ -7,18 +7,18 @@ import dataclasses
 
 import pytest
 
-from labkit.errors import RankError
-from labkit.experiments.capstone import _fit_memory, draw
-from labkit.experiments.capstone_checks import CapstoneReport, _out_of_memory
-from labkit.experiments.capstone_exercise_checks import (
+from labkit.course.experiments.capstone import _fit_memory, draw
+from labkit.course.experiments.capstone_checks import CapstoneReport, _out_of_memory
+from labkit.course.experiments.capstone_exercise_checks import (
     _RULES,
     _budgets,
     _largest,
     check_fit_memory,
     check_fix,
 )
+from labkit.course.training import MISTAKES, by_diagnosis
+from labkit.errors import RankError
 from labkit.memory import estimate
-from labkit.training import MISTAKES, by_diagnosis
 
 SEEDS = [0, 4]  # 0: the OOM, per-tensor all-reduce and data loading; 4: the OOM and a straggler
 
@@ -157,7 +157,7 @@ WRONG_FIXES = {
                 job, **{by_diagnosis(finding.kind).knob: by_diagnosis(finding.kind).right}
             )
         ),
-        "reads the right values from labkit.training.MISTAKES",
+        "reads the right values from labkit.course.training.MISTAKES",
     ),
     "nothing returned": (lambda cap: lambda job, finding: None, "returned None"),
     "the job returned as it was": (

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 from labkit import Cluster, launch
+from labkit.course.experiments.capstone import GPU_MODEL, MODEL, dealt, draw
+from labkit.course.training.mistakes import MISTAKES
+from labkit.course.training.trainer import Trainer
 from labkit.emulate import MemoryBudget
-from labkit.experiments.capstone import GPU_MODEL, MODEL, dealt, draw
-from labkit.training.mistakes import MISTAKES
-from labkit.training.trainer import Trainer
 
 MiB = 2**20
 

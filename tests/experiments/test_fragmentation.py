@@ -1,10 +1,11 @@
-"""labkit.experiments.fragmentation: an OOM with enough memory free in total, and its fixes (emulated)."""
+"""labkit.course.experiments.fragmentation: an OOM with enough memory free in total, and its fixes
+(emulated)."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.experiments.fragmentation import ALLOCATOR_FIXES, REQUEST, fragment
+from labkit.course.experiments.fragmentation import ALLOCATOR_FIXES, REQUEST, fragment
 
 
 @pytest.mark.parametrize("fix", [None, "empty_cache"])

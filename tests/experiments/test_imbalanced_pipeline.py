@@ -1,6 +1,6 @@
-"""labkit.experiments.imbalanced_pipeline (lab 04's driver): torch.distributed.pipelining over the emulated
-cluster gives the model's gradients and loss under every schedule, with one forward and one backward per
-micro-batch and a send at every boundary; the plans are checked; the summary's arithmetic (bubble,
+"""labkit.course.experiments.imbalanced_pipeline (lab 04's driver): torch.distributed.pipelining over the
+emulated cluster gives the model's gradients and loss under every schedule, with one forward and one backward
+per micro-batch and a send at every boundary; the plans are checked; the summary's arithmetic (bubble,
 imbalance, limit) is exact."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import Cluster, launch
-from labkit.experiments.imbalanced_pipeline import (
+from labkit.course.experiments.imbalanced_pipeline import (
     PipelinePlan,
     PipelineRankResult,
     layer_costs,

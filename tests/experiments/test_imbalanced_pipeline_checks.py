@@ -1,7 +1,7 @@
-"""labkit.experiments.imbalanced_pipeline_checks (lab 04's checks): the end-to-end check, `check_pipeline`,
-passes a run that shows the lesson, names each way one can fail with its numbers and hint, and refuses
-exactly what the notebook's asserts refused before it had a home (the same conditions, no weaker). The
-exercise's check, `check_balance`, is run through its wrong answers by the lab's mutation tests."""
+"""labkit.course.experiments.imbalanced_pipeline_checks (lab 04's checks): the end-to-end check,
+`check_pipeline`, passes a run that shows the lesson, names each way one can fail with its numbers and hint,
+and refuses exactly what the notebook's asserts refused before it had a home (the same conditions, no weaker).
+The exercise's check, `check_balance`, is run through its wrong answers by the lab's mutation tests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from labkit.experiments.imbalanced_pipeline_checks import check_pipeline
+from labkit.course.experiments.imbalanced_pipeline_checks import check_pipeline
 
 
 def _run(step_ms=100.0, limit_ms=90.0, imbalance=1.1, grad_error=1e-7, loss_error=1e-7, sizes=(7, 6, 6, 7)):

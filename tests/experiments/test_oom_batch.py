@@ -1,5 +1,5 @@
-"""labkit.experiments.oom_batch (lab 02's driver): the data split it accumulates over, and `dp_train` on 2
-emulated ranks: accumulation with and without `no_sync` gives the big batch's gradient, DDP's all-reduces
+"""labkit.course.experiments.oom_batch (lab 02's driver): the data split it accumulates over, and `dp_train`
+on 2 emulated ranks: accumulation with and without `no_sync` gives the big batch's gradient, DDP's all-reduces
 are counted, the peak is the estimate's, the whole share in one micro-step needs more, and the batch
 search leaves nothing behind."""
 
@@ -10,11 +10,11 @@ import torch
 
 import labkit
 from labkit.batch import accumulation_steps
-from labkit.experiments.oom_batch import DPResult, dp_train, max_micro_batch, rank_micro_batches
+from labkit.course.experiments.oom_batch import DPResult, dp_train, max_micro_batch, rank_micro_batches
+from labkit.course.training.reference import reference_gradients
 from labkit.memory import estimate
 from labkit.models import GPTConfig, synthetic_batch
 from labkit.parallel.data import accumulate_with_no_sync, accumulate_without_no_sync
-from labkit.training.reference import reference_gradients
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -1,12 +1,12 @@
-"""labkit.experiments.oom_batch_checks (lab 02's checks): the end-to-end check, `check_memory_fix`, passes a
-fix that fits as estimated and names each way one can fail, with its numbers and hint. The exercise's check,
-`check_accumulation`, is run through its wrong answers by the lab's mutation tests."""
+"""labkit.course.experiments.oom_batch_checks (lab 02's checks): the end-to-end check, `check_memory_fix`,
+passes a fix that fits as estimated and names each way one can fail, with its numbers and hint. The exercise's
+check, `check_accumulation`, is run through its wrong answers by the lab's mutation tests."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.experiments.oom_batch_checks import check_memory_fix
+from labkit.course.experiments.oom_batch_checks import check_memory_fix
 
 
 def test_a_fix_that_fits_as_estimated_passes():

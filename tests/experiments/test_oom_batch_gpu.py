@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from labkit import Cluster, launch
+from labkit.course.experiments.oom_batch import Params, dp_train, fixed_micro_batch
 from labkit.emulate import MemoryBudget
-from labkit.experiments.oom_batch import Params, dp_train, fixed_micro_batch
 from labkit.machine import LARGE_SEGMENT_BYTES, Machine
 
 MiB = 2**20

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from labkit.experiments.own_answer import Reference, names_used, refusing
-from labkit.experiments.slips import name_slip, name_slip_across, unit_slips
+from labkit.course.experiments.own_answer import Reference, names_used, refusing
+from labkit.course.experiments.slips import name_slip, name_slip_across, unit_slips
 from labkit.pipeline_plan import balance
 
 BALANCE = Reference(balance, "labkit.pipeline_plan.balance", "write it yourself")

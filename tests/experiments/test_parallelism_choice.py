@@ -1,5 +1,5 @@
-"""labkit.experiments.parallelism_choice (lab 01's driver): every layout, trained on 8 emulated ranks over
-two nodes, gives one process's gradients (and loss, where one rank computes it), sends bytes over the
+"""labkit.course.experiments.parallelism_choice (lab 01's driver): every layout, trained on 8 emulated ranks
+over two nodes, gives one process's gradients (and loss, where one rank computes it), sends bytes over the
 links its groups cross; the step's speed is measured on the rank's timer (`measure_rates`)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 
 from labkit import Cluster, launch
 from labkit.cluster import GPU
-from labkit.experiments import parallelism_choice
-from labkit.experiments.parallelism_choice import layout_steps, measure_rates, summarize_layout
+from labkit.course.experiments import parallelism_choice
+from labkit.course.experiments.parallelism_choice import layout_steps, measure_rates, summarize_layout
+from labkit.course.training.reference import reference_gradients
 from labkit.layout import Layout
 from labkit.links import Link
 from labkit.models import GPTConfig
 from labkit.planner import Rates, forward_flops_per_token, plan
-from labkit.training.reference import reference_gradients
 
 CONFIG = GPTConfig(n_layers=8, d_model=128, n_heads=8, vocab_size=1024, seq_len=64)
 

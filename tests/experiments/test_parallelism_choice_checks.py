@@ -1,4 +1,4 @@
-"""labkit.experiments.parallelism_choice_checks (lab 01's checks): the layout choice's check names each
+"""labkit.course.experiments.parallelism_choice_checks (lab 01's checks): the layout choice's check names each
 mistake (the two wrong answers the notebook's mutation tests do not run: they need no kernel); the end-to-end
 check, `check_planner_pick`, passes a pick near the fastest layout and names each way one can fail."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import Cluster
-from labkit.experiments.parallelism_choice_checks import check_layout_choice, check_planner_pick
+from labkit.course.experiments.parallelism_choice_checks import check_layout_choice, check_planner_pick
 from labkit.models import GPTConfig
 from labkit.planner import Rates, plan
 

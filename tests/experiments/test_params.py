@@ -1,4 +1,4 @@
-"""labkit.experiments.params: each lab's typed `Params`. A value of the wrong type or out of range is a
+"""labkit.course.experiments.params: each lab's typed `Params`. A value of the wrong type or out of range is a
 `ParamError` (a ValueError) naming the field and a value that works, written as the user would type it
 (`--set`, `-p`, the parameters cell, a call); `from_text` reads JSON with bare words as strings; every lab
 resolves its rank-dependent defaults on 2, 4 and 8 ranks, and refuses 1 where it needs two."""
@@ -10,8 +10,8 @@ import typing
 
 import pytest
 
-from labkit.experiments import registry
-from labkit.experiments.params import FORMS, LabParams, ParamError
+from labkit.course.experiments import registry
+from labkit.course.experiments.params import FORMS, LabParams, ParamError
 from labkit.validate import ParamError as ValidateParamError
 
 LAB03 = registry.params_of("03")
@@ -236,9 +236,9 @@ def test_on_a_preset_of_two_nodes_a_lab_takes_the_ranks_of_one_node():
 
 def test_the_rule_changes_only_ranks_left_at_their_default_on_a_cluster_that_may_be_a_gpu(monkeypatch):
     from labkit.cluster import GPU, Cluster
-    from labkit.experiments.imbalanced_pipeline import Params as Lab04
-    from labkit.experiments.oom_batch import Params as Lab02
-    from labkit.experiments.unoverlapped_comms import Params as Lab03
+    from labkit.course.experiments.imbalanced_pipeline import Params as Lab04
+    from labkit.course.experiments.oom_batch import Params as Lab02
+    from labkit.course.experiments.unoverlapped_comms import Params as Lab03
     from labkit.links import Link
 
     # a value the user set is kept (one equal to the default reads as unset, as GPU sizes do)
@@ -262,8 +262,8 @@ def test_lab_04s_rule_is_the_stage_counts_its_forecast_shows_the_lesson_on():
     # on a DGX H100 at its GPU sizes: 4 and 8 stages show the imbalance and its fix, 8 the most; 2 too
     # little, 16 not at all; so 8 from 8 GPUs, 4 from 4, and 4 emulated stages below
     from labkit.cluster import Cluster
-    from labkit.experiments.imbalanced_pipeline import Params as Lab04
-    from labkit.forecast import fp32_flops_per_s, pipeline_forecast
+    from labkit.course.experiments.imbalanced_pipeline import Params as Lab04
+    from labkit.course.forecast import fp32_flops_per_s, pipeline_forecast
 
     dgx = Cluster.preset("dgx-h100")
 

@@ -1,10 +1,11 @@
-"""labkit.experiments.precision: fp32 vs bf16 vs fp16 (+ GradScaler) on one process, and a forced overflow."""
+"""labkit.course.experiments.precision: fp32 vs bf16 vs fp16 (+ GradScaler) on one process, and a forced
+overflow."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.experiments.precision import VARIANTS, compare_precisions, forced_overflow
+from labkit.course.experiments.precision import VARIANTS, compare_precisions, forced_overflow
 from labkit.models import GPTConfig
 
 TINY = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16)

@@ -1,11 +1,12 @@
 """MosaicML's MPT runs with FSDP on 8 H100s against the simulated DGX H100
-(labkit.experiments.published_fsdp_runs): the transcription, and two rows held out from the fitted share."""
+(labkit.course.experiments.published_fsdp_runs): the transcription, and two rows held out from the fitted
+share."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.experiments.published_fsdp_runs import ROWS, simulate, table
+from labkit.course.experiments.published_fsdp_runs import ROWS, simulate, table
 
 
 @pytest.mark.parametrize("run", ROWS, ids=lambda r: r.name)

@@ -1,10 +1,10 @@
-"""Narayanan et al. 2021, Table 1, on a simulated DGX A100 (labkit.experiments.published_runs)."""
+"""Narayanan et al. 2021, Table 1, on a simulated DGX A100 (labkit.course.experiments.published_runs)."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.experiments.published_runs import SEQ_LEN, TABLE_1, VOCAB, megatron_flops, simulate, table
+from labkit.course.experiments.published_runs import SEQ_LEN, TABLE_1, VOCAB, megatron_flops, simulate, table
 
 
 @pytest.mark.parametrize("run", TABLE_1, ids=lambda r: r.name)

@@ -1,6 +1,6 @@
-"""A lab's measurement as a script (labkit.experiments.script): without torchrun it runs on the emulated
-cluster; a parameter it cannot take ends it with exit status 2 and the fix, never a traceback. (Each lab's
-script under torchrun: tests/labs/.)"""
+"""A lab's measurement as a script (labkit.course.experiments.script): without torchrun it runs on the
+emulated cluster; a parameter it cannot take ends it with exit status 2 and the fix, never a traceback. (Each
+lab's script under torchrun: tests/labs/.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from labkit.experiments import script
+from labkit.course.experiments import script
 
 SMOKE_00 = ["--set", "sizes_kib", "[4, 64]", "--set", "iters", "3"]
 
@@ -18,7 +18,9 @@ SMOKE_00 = ["--set", "sizes_kib", "[4, 64]", "--set", "iters", "3"]
 def test_without_torchrun_a_lab_script_runs_on_the_emulated_cluster(tmp_path, capsys):
     out = tmp_path / "00.json"
     assert (
-        script.run_lab("labkit.experiments.cluster_tour", ["--cluster", "cpu", "--out", str(out), *SMOKE_00])
+        script.run_lab(
+            "labkit.course.experiments.cluster_tour", ["--cluster", "cpu", "--out", str(out), *SMOKE_00]
+        )
         == 0
     )
     rec = json.loads(out.read_text())
@@ -35,7 +37,7 @@ def test_without_torchrun_a_lab_script_runs_on_the_emulated_cluster(tmp_path, ca
 def test_print_records_prints_each_record_as_a_line_read_records_reads(tmp_path, capsys):
     out = tmp_path / "00.json"
     argv = ["--cluster", "cpu", "--out", str(out), "--print-records", *SMOKE_00]
-    assert script.run_lab("labkit.experiments.cluster_tour", argv) == 0
+    assert script.run_lab("labkit.course.experiments.cluster_tour", argv) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("labkit-record ")]
     assert {json.loads(line.split(" ", 1)[1])["key"] for line in lines} == set(json.loads(out.read_text()))
 
@@ -55,7 +57,7 @@ def test_the_summary_rounds_to_four_significant_digits():
 
 def test_help_lists_every_parameter_with_its_doc(capsys):
     with pytest.raises(SystemExit) as info:
-        script.run_lab("labkit.experiments.oom_batch", ["--help"])
+        script.run_lab("labkit.course.experiments.oom_batch", ["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
     assert "memory_mib = 28" in text and "memory of each rank" in text and "--set KEY VALUE" in text
@@ -82,24 +84,24 @@ def test_help_lists_every_parameter_with_its_doc(capsys):
     ],
 )
 def test_a_parameter_the_lab_cannot_take_ends_with_status_2_and_the_fix(argv, message, capsys):
-    assert script.run_lab("labkit.experiments.oom_batch", argv) == 2  # before any rank starts
+    assert script.run_lab("labkit.course.experiments.oom_batch", argv) == 2  # before any rank starts
     err = capsys.readouterr().err
     assert f"lab 02_oom_batch: {message}" in err and "Traceback" not in err
 
 
 def test_a_lab_that_needs_two_ranks_refuses_one(capsys):
-    assert script.run_lab("labkit.experiments.capstone", ["--world-size", "1"]) == 2
+    assert script.run_lab("labkit.course.experiments.capstone", ["--world-size", "1"]) == 2
     assert (
         "world_size=1 must be a whole number with >= 2; set it with --set world_size 2"
         in capsys.readouterr().err
     )
-    assert script.run_lab("labkit.experiments.cluster_tour", ["--world-size", "1"]) == 2
+    assert script.run_lab("labkit.course.experiments.cluster_tour", ["--world-size", "1"]) == 2
     assert "lab 00_cluster_tour: world_size=1 must be a whole number with >= 2" in capsys.readouterr().err
 
 
 def test_as_a_module_a_refusal_is_exit_status_2_without_a_traceback(tmp_path, labkit_env):
     proc = subprocess.run(
-        [sys.executable, "-m", "labkit.experiments.imbalanced_pipeline", "--set", "steps", "0"],
+        [sys.executable, "-m", "labkit.course.experiments.imbalanced_pipeline", "--set", "steps", "0"],
         capture_output=True,
         text=True,
         timeout=120,

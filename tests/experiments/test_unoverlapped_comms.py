@@ -1,6 +1,6 @@
-"""labkit.experiments.unoverlapped_comms (lab 03's driver): `train_steps` / `summarize_steps` on 2 emulated
-ranks: every mode reported, collectives counted (in backward or after it), every training mode equal to
-one process, a broken flush caught by the reference check, traces showing overlap only for the fix; a
+"""labkit.course.experiments.unoverlapped_comms (lab 03's driver): `train_steps` / `summarize_steps` on 2
+emulated ranks: every mode reported, collectives counted (in backward or after it), every training mode equal
+to one process, a broken flush caught by the reference check, traces showing overlap only for the fix; a
 step's CPU time leaving out the device synchronisation."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.experiments.unoverlapped_comms import Mode, RankSteps, summarize_steps, train_steps
+from labkit.course.experiments.unoverlapped_comms import Mode, RankSteps, summarize_steps, train_steps
 from labkit.models import GPTConfig
 from labkit.parallel.data import OverlappedDDP
 
@@ -143,7 +143,7 @@ def test_a_step_s_cpu_time_leaves_out_the_device_synchronisation(monkeypatch):
     import torch.distributed as dist
 
     from labkit import timer
-    from labkit.experiments import unoverlapped_comms
+    from labkit.course.experiments import unoverlapped_comms
 
     readings = itertools.count()
 

@@ -1,5 +1,5 @@
-"""labkit.experiments.unoverlapped_comms_checks (lab 03's exercise checks): the exercise's base class leaves
-exactly the hook and the flush to the learner; driven with the hooks in a shuffled order on 2 emulated
+"""labkit.course.experiments.unoverlapped_comms_checks (lab 03's exercise checks): the exercise's base class
+leaves exactly the hook and the flush to the learner; driven with the hooks in a shuffled order on 2 emulated
 ranks, the reference passes the check, and a flush written as buckets fill up is named by it. Every wrong
 answer's hint, in a notebook: the exercise mutation tests. The end-to-end check, `check_overlapped_step`,
 passes a step that shows the lesson and names each way one can fail, refusing what the notebook's asserts
@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from labkit import launch
-from labkit.experiments.unoverlapped_comms_checks import (
+from labkit.course.experiments.unoverlapped_comms_checks import (
     HookDrill,
     OverlappedDDPExercise,
     check_overlapped_ddp,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from labkit.experiments.unoverlapped_comms_figures import bound_notes, fixed_cost_line, valley_note
+from labkit.course.experiments.unoverlapped_comms_figures import bound_notes, fixed_cost_line, valley_note
 
 
 def test_the_busy_run_of_the_issue_is_said_to_cross_its_bounds():

@@ -1,8 +1,8 @@
-"""labkit.experiments.unprofiled_run (lab 05's driver) on real runs of the emulated cluster: each mistake
-planted by its knob (`mystery_job`), trained and traced with `labkit.training.loop.train_jobs`; `diagnose`
-names every planted mistake that shows here (and the straggler's rank, on either rank), finds nothing in
-the clean job, and holds for two model sizes; the fix the diagnosis names (`fixed_job`) is faster in
-virtual time and leaves nothing to find."""
+"""labkit.course.experiments.unprofiled_run (lab 05's driver) on real runs of the emulated cluster: each
+mistake planted by its knob (`mystery_job`), trained and traced with `labkit.course.training.loop.train_jobs`;
+`diagnose` names every planted mistake that shows here (and the straggler's rank, on either rank), finds
+nothing in the clean job, and holds for two model sizes; the fix the diagnosis names (`fixed_job`) is faster
+in virtual time and leaves nothing to find."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from labkit import Cluster, launch
-from labkit.experiments.unprofiled_run import (
+from labkit.course.experiments.unprofiled_run import (
     MYSTERY_KINDS,
     SIMULATED_PER_TENSOR_RANKS,
     Params,
@@ -23,11 +23,11 @@ from labkit.experiments.unprofiled_run import (
     run_name,
     step_ms,
 )
+from labkit.course.training.loop import JobResult, train_jobs
+from labkit.course.training.mistakes import MISTAKES
 from labkit.machine import Machine
 from labkit.models import GPTConfig
 from labkit.trace import diagnose
-from labkit.training.loop import JobResult, train_jobs
-from labkit.training.mistakes import MISTAKES
 
 BATCH = 8  # sequences per rank and step
 

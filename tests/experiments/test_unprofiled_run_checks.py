@@ -1,7 +1,7 @@
-"""labkit.experiments.unprofiled_run_checks (lab 05's checks): the end-to-end check, `check_mystery_fix`,
-passes a diagnosis of the planted mistake whose fix sped the job up, and names each way one can fail, with its
-numbers and hint and without naming the planted mistake. The exercise's check, `check_find_straggler`, is run
-through its wrong answers by the lab's mutation tests."""
+"""labkit.course.experiments.unprofiled_run_checks (lab 05's checks): the end-to-end check,
+`check_mystery_fix`, passes a diagnosis of the planted mistake whose fix sped the job up, and names each way
+one can fail, with its numbers and hint and without naming the planted mistake. The exercise's check,
+`check_find_straggler`, is run through its wrong answers by the lab's mutation tests."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from labkit.experiments.unprofiled_run_checks import check_mystery_fix
-from labkit.training import MISTAKES
+from labkit.course.experiments.unprofiled_run_checks import check_mystery_fix
+from labkit.course.training import MISTAKES
 
 PLANTED = "per_tensor_allreduce"
 FOUND = SimpleNamespace(kind=MISTAKES[PLANTED].diagnosed_as, evidence="29 collectives per step, 90 % alone")
@@ -38,5 +38,5 @@ def test_each_failure_is_named_with_its_numbers():
         AssertionError, match=r"beat the clean one \(88.0 ms\) by far: the clean one took x1.26"
     ):
         check_mystery_fix(FOUND, PLANTED, 120.0, 70.0, 88.0)
-    with pytest.raises(ValueError, match=r"must be one of labkit\.training\.MISTAKES"):
+    with pytest.raises(ValueError, match=r"must be one of labkit\.course\.training\.MISTAKES"):
         check_mystery_fix(FOUND, "slow_disk", 120.0, 70.0, 65.0)

@@ -21,9 +21,9 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from labkit.course.execute import execute
-from labkit.experiments import registry
-from labkit.forecast import verdict
-from labkit.records import read_records
+from labkit.course.experiments import registry
+from labkit.course.forecast import verdict
+from labkit.course.records import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,7 +192,7 @@ def check_common() -> Callable[..., None]:
 
 
 def _check_verdict(rec: dict[str, Any], text: str, *, targets: str = "time") -> None:
-    """The verdict printed is the one the measured numbers call for (`labkit.forecast.verdict`), whichever.
+    """The verdict printed is the one the measured numbers call for (`labkit.course.forecast.verdict`), whichever.
 
     For CI's fake CUDA machine: there compute is the CPU time of Python-heavy toy operators on a shared
     2-core runner, which spreads a lesson's ratios by a fifth or more, so the course's targets themselves are

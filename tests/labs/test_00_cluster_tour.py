@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from labkit.cluster import GPU, Cluster
-from labkit.forecast import bandwidth_forecast, lesson_shows
+from labkit.course.forecast import bandwidth_forecast, lesson_shows
 from labkit.gpu_links import FAKE_CUDA_SUFFIX
 from labkit.links import Link
 from labkit.machine import Machine

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from labkit.experiments import registry
+from labkit.course.experiments import registry
 
 LAB = "01_parallelism_choice"
 
@@ -54,7 +54,7 @@ def test_the_notebook_on_two_simulated_nodes_checks_gradients_emulated_and_times
     60 s on the 2-core VM), each capped at the lab's memory; plain data parallelism runs out of the simulated
     card's memory, the pick's gradients are checked on the emulated cluster, tensor parallelism over both
     nodes is the slowest layout, and the mistake is also timed inside one node. (The script on the same
-    cluster runs the same headline: `labkit.experiments.script` is tested on a simulated node by labs 00 and
+    cluster runs the same headline: `labkit.course.experiments.script` is tested on a simulated node by labs 00 and
     05's scripts.) Table 1's simulated rows, the same on every cluster, are left to the solution's test."""
     rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=4, n_layers=4, table_1=False)
     assert rec["emulated"] and rec["params"]["steps"] == 1 and rec["pick"] != "dp1 x tp4 x pp1"

@@ -46,7 +46,7 @@ def test_the_notebooks_gpu_branch_runs_out_then_fits_the_fixed_step_with_a_large
     step fits under the cap on *reserved* memory with one large segment (20 MiB) to spare, which the 48 MiB cap
     of the one H200 run did not leave ("Tried to allocate 20.00 MiB"), and the estimate meets the measured
     peaks with the machine's for-each Adam counted."""
-    from labkit.experiments.oom_batch import Params
+    from labkit.course.experiments.oom_batch import Params
     from labkit.machine import LARGE_SEGMENT_BYTES
 
     # one GPU, as on the H200 the lab ran out on (Params.ranks_on(1): one rank, DDP still buckets)

@@ -55,7 +55,7 @@ def test_labkit_run_on_a_simulated_node_says_where_it_ran_and_its_forecast_agree
     steps and traces run on the simulated node, where nothing numeric is compared and torch DDP (whose C++
     reducer needs storage) is left out. The report says it ran there, and the forecast and the verdict say
     the same (on 2 NVLink ranks the lesson does not show; the forecast names the whole node, where it does)."""
-    cmd = [sys.executable, "-m", "labkit.cli", "run", "--lab", "03", "--cluster", "sim:dgx-h100", "--quiet"]
+    cmd = [sys.executable, "-m", "labkit.course.cli", "run", "--lab", "03", "--cluster", "sim:dgx-h100", "--quiet"]
     cmd += ["-p", "sweep_caps_mb", "[25.0]"]  # one swept cap of the GPU sizes' four: the sweep is the script's
     cmd += ["-p", "n_layers", "4"]  # of the GPU sizes' 8: half the simulated operators, the same story
     proc = subprocess.run(
@@ -92,7 +92,7 @@ def test_the_gpu_branch_on_fake_cuda_overlaps_and_prints_the_verdict_its_numbers
     """The notebook's real-GPU branch on two fake H100s (labkit.emulate.fake_cuda: collectives on the emulated
     backend and its virtual clock, links scaled to this CPU): torch DDP runs, the parameters are checked against
     one process, the buckets overlap and shorten the step, and the GPU branch prints the verdict its measured
-    numbers call for (labkit.forecast.verdict). Three blocks, three timed steps, one swept bucket size
+    numbers call for (labkit.course.forecast.verdict). Three blocks, three timed steps, one swept bucket size
     and half the micro-batch: the fake's memory model (a Python dispatch mode) still costs every operator some
     50 us of compute on the rank's clock, which leaves communication a smaller share of the step than on the
     emulated cluster (at 12 sequences after/before measured 0.74-0.84 on the 2-core VM; at 6, 0.66-0.73 with

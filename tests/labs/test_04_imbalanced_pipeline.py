@@ -58,7 +58,7 @@ def test_the_gpu_branch_on_fake_cuda_evens_the_stages_and_prints_the_verdict_its
     """The notebook's real-GPU branch on four fake H100s (labkit.emulate.fake_cuda), one stage each: the
     gradients are checked against one process, the balanced split evens the stages' times, 1F1B holds less
     than GPipe (read through torch.cuda's memory API), and the
-    GPU branch prints the course's verdict on its numbers (labkit.forecast.verdict). after/before measured 0.69
+    GPU branch prints the course's verdict on its numbers (labkit.course.forecast.verdict). after/before measured 0.69
     and 0.87 on the 2-core VM, under the course's 0.8 or not, so the verdict is checked against the numbers,
     not for a pass."""
     rec, text = run_on_fake_cuda(LAB, gpus=4, interleaved=False, **FAKE_CUDA_SIZES)

@@ -9,7 +9,7 @@ import json
 import pytest
 from torch import nn
 
-from labkit.experiments.unprofiled_run import Params
+from labkit.course.experiments.unprofiled_run import Params
 from labkit.models import GPT, GPTConfig
 from labkit.planner import forward_flops_per_token
 

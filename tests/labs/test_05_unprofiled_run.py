@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from labkit.experiments.unprofiled_run import kinds_that_show
-from labkit.training import MISTAKES
+from labkit.course.experiments.unprofiled_run import kinds_that_show
+from labkit.course.training import MISTAKES
 
 LAB = "05_unprofiled_run"
 
@@ -64,7 +64,7 @@ def test_the_notebooks_gpu_branch_names_the_planted_mistake_and_prints_the_verdi
     """The notebook's real-GPU branch on CI's fake CUDA machine (2 GPUs; about 20 s on an idle 2-core VM):
     mystery_seed 5 draws per-tensor all-reduces from the mistakes that show on GPUs (not the logged accuracy),
     the trace names them (many small collectives), their fix, DDP's buckets, shortens the step, and the
-    verdict printed is the one its measured numbers call for (labkit.forecast's share targets); MFU is against
+    verdict printed is the one its measured numbers call for (labkit.course.forecast's share targets); MFU is against
     the CPU the fake GPUs compute on, not an H100's datasheet peak. Micro-batches of 4: the fake's memory
     model costs every operator some host time, which would dilute the all-reduces' share at the default 8."""
     rec, text = run_on_fake_cuda(LAB, gpus=2, mystery_seed=5, micro_batch=4, steps=1, trace_steps=2)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from labkit.experiments.capstone import draw
-from labkit.experiments.capstone_checks import SLOWER_OK
+from labkit.course.experiments.capstone import draw
+from labkit.course.experiments.capstone_checks import SLOWER_OK
 
 LAB = "06_capstone"
 
@@ -42,7 +42,7 @@ def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_s
 
 def test_the_script_under_torchrun(torchrun_lab, check_common):
     # two ranks only (four took 16-19 s of the suite's 14 minutes): lab 05's torchrun test runs the same
-    # training jobs (labkit.training.loop.train_jobs) on four
+    # training jobs (labkit.course.training.loop.train_jobs) on four
     proc, rec = torchrun_lab(LAB, 2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     expect(rec, check_common, torchrun=True, world_size=2)
@@ -115,7 +115,7 @@ FIT_MISTAKES = {
             (
                 "    share = job",
                 'sharding next")',
-            ): "    from labkit.experiments.capstone import _fit_memory\n\n"
+            ): "    from labkit.course.experiments.capstone import _fit_memory\n\n"
             "    return _fit_memory(job, model, memory_mib, world_size)"
         },
         "capstone._fit_memory, labkit's own answer",

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.experiments.unoverlapped_comms import Params
+from labkit.course.experiments.unoverlapped_comms import Params
+from labkit.course.training.grad_sync import CountingAllReduce
 from labkit.models import seeded_model, synthetic_batch
 from labkit.parallel.data import make_ddp
-from labkit.training.grad_sync import CountingAllReduce
 
 STEPS = 3
 MIB = 2**20

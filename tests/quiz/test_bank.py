@@ -1,4 +1,4 @@
-"""labkit.quiz.bank: every question valid and pointing to a section that exists, the same seed the same
+"""labkit.course.quiz.bank: every question valid and pointing to a section that exists, the same seed the same
 paper, an exam over every topic, and grading that says why and where. Generated answers:
 test_generated.py; the quiz shown: test_show.py; `labkit quiz`: tests/test_cli.py."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from labkit import quiz
-from labkit.quiz.bank import choice_questions
-from labkit.quiz.question import TOPICS, Question
+from labkit.course import quiz
+from labkit.course.quiz.bank import choice_questions
+from labkit.course.quiz.question import TOPICS, Question
 
 
 def _headings(repo: Path, stem: str) -> list[str]:
@@ -98,7 +98,8 @@ def test_a_gb_for_gib_slip_is_named_and_not_counted():
 def test_the_bank_re_exports_the_question_and_the_topics():
     import importlib
 
-    bank = importlib.import_module("labkit.quiz.bank")  # the module; labkit.quiz.bank is its function
+    # the module; labkit.course.quiz.bank is its function
+    bank = importlib.import_module("labkit.course.quiz.bank")
     assert bank.Question is Question and bank.TOPICS is TOPICS and quiz.Question is Question
     q = next(q for q in quiz.bank() if q.kind == "choice")
     assert q.correct == q.choices[int(q.answer)] and q.reference in q.where
@@ -145,7 +146,7 @@ def test_practice_questions_stay_in_the_labs_quizzes_and_out_of_the_mock_exam():
         "communication-nccl-sync-return",
         "pipeline-greedy-balance",
     }
-    from labkit.quiz.bank import exam_questions
+    from labkit.course.quiz.bank import exam_questions
 
     size = len(exam_questions())
     assert size == len(quiz.bank()) - 4

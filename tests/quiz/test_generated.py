@@ -1,5 +1,5 @@
-"""labkit.quiz.generated: each generated answer equals the paper's formula written out here (not through
-labkit), for many seeds."""
+"""labkit.course.quiz.generated: each generated answer equals the paper's formula written out here (not
+through labkit), for many seeds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from labkit import quiz
+from labkit.course import quiz
 
 
 def _expected(q: quiz.Question) -> float:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from labkit import quiz
-from labkit.quiz.question import TOPICS
-from labkit.quiz.scope import COVERED, SCOPE, table
+from labkit.course import quiz
+from labkit.course.quiz.question import TOPICS
+from labkit.course.quiz.scope import COVERED, SCOPE, table
 
 
 def _headings(repo, lab: str) -> list[str]:
@@ -29,7 +29,8 @@ def test_every_bank_topic_is_mapped_to_an_exam_topic():
 
 def test_the_readme_and_the_instructor_guide_show_the_map(repo):
     for doc in ("README.md", "docs/instructor_guide.md"):
-        assert table() in (repo / doc).read_text(), f"{doc}: paste `python -m labkit.quiz.scope`'s table"
+        pasted = f"{doc}: paste `python -m labkit.course.quiz.scope`'s table"
+        assert table() in (repo / doc).read_text(), pasted
 
 
 def test_the_mock_exam_says_what_it_covers():

@@ -1,9 +1,9 @@
-"""labkit.quiz.show: the text form (as papermill and terminals show it), the terminal loop, and the widget
-quiz driven by clicks."""
+"""labkit.course.quiz.show: the text form (as papermill and terminals show it), the terminal loop, and the
+widget quiz driven by clicks."""
 
 from __future__ import annotations
 
-from labkit import quiz
+from labkit.course import quiz
 
 
 def test_text_form_and_the_terminal_loop():

@@ -1,7 +1,7 @@
-"""labkit.quiz.terminal: `labkit quiz`'s loop. An answer that is not one is asked again, not marked; the mock
-exam shows its limit and the time left, ignores an answer after the limit and explains only at the end; the
-command's errors write their fix as a command. The loop runs with fake input and a fake clock (no sleeping);
-`labkit quiz` itself runs as a subprocess with piped stdin."""
+"""labkit.course.quiz.terminal: `labkit quiz`'s loop. An answer that is not one is asked again, not marked;
+the mock exam shows its limit and the time left, ignores an answer after the limit and explains only at the
+end; the command's errors write their fix as a command. The loop runs with fake input and a fake clock (no
+sleeping); `labkit quiz` itself runs as a subprocess with piped stdin."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from labkit import quiz
-from labkit.cli import main
-from labkit.quiz.terminal import command_questions, read_answer
+from labkit.course import quiz
+from labkit.course.cli import main
+from labkit.course.quiz.terminal import command_questions, read_answer
 
 
 def _right(q: quiz.Question) -> str:
@@ -213,7 +213,8 @@ def test_labkit_quiz_refuses_a_bad_option_in_one_line_with_the_command_that_work
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("labkit quiz: "), err
     assert all(e in err for e in expected), err
-    assert "labkit.quiz" not in err and "bank(" not in err and "exam(" not in err  # a command, not Python
+    # a command, not Python
+    assert "labkit.course.quiz" not in err and "bank(" not in err and "exam(" not in err
 
 
 def test_the_exam_size_error_names_the_bank_size():
@@ -223,7 +224,7 @@ def test_the_exam_size_error_names_the_bank_size():
     assert len(command_questions(exam_n=size)) == size
     with pytest.raises(ValueError, match="did you mean memory"):
         command_questions(topic="memroy")
-    with pytest.raises(ValueError, match=r'labkit\.quiz\.bank\(topic="memory"\)'):
+    with pytest.raises(ValueError, match=r'labkit\.course\.quiz\.bank\(topic="memory"\)'):
         quiz.bank(topic="memroy")  # the Python API keeps the Python form
 
 
@@ -232,7 +233,7 @@ def test_the_exam_size_error_names_the_bank_size():
 
 def _labkit_quiz(args: list[str], stdin: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "labkit.cli", "quiz", *args],
+        [sys.executable, "-m", "labkit.course.cli", "quiz", *args],
         input=stdin,
         capture_output=True,
         text=True,

@@ -1,5 +1,6 @@
-"""labkit.training.job: a `TrainingJob` refuses, with the value and the fix, knobs it cannot run with on that
-many ranks; its accumulation keeps the global batch; `job_name` names a job by the knobs that differ."""
+"""labkit.course.training.job: a `TrainingJob` refuses, with the value and the fix, knobs it cannot run with
+on that many ranks; its accumulation keeps the global batch; `job_name` names a job by the knobs that
+differ."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from labkit.training.job import GRAD_SYNCS, TrainingJob, job_name
+from labkit.course.training.job import GRAD_SYNCS, TrainingJob, job_name
 
 
 def test_the_default_job_runs_and_accumulates_to_its_global_batch():

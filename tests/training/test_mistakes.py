@@ -1,5 +1,5 @@
-"""labkit.training.mistakes: the one table of the course's mistakes. For every row: planting it changes its
-knob (only), the job then plants it (`planted_in`, `planted_by_knobs`), the fix sets the knob right and
+"""labkit.course.training.mistakes: the one table of the course's mistakes. For every row: planting it changes
+its knob (only), the job then plants it (`planted_in`, `planted_by_knobs`), the fix sets the knob right and
 plants it no more, and `by_diagnosis` finds it by the kind `labkit.trace.diagnose` calls it; the OOM,
 which only a measurement shows, is planted but never told by the knobs, and has no single fix."""
 
@@ -10,10 +10,16 @@ import random
 
 import pytest
 
-from labkit.experiments.registry import LABS
+from labkit.course.experiments.registry import LABS
+from labkit.course.training.job import TrainingJob
+from labkit.course.training.mistakes import (
+    MISTAKES,
+    Mistake,
+    by_diagnosis,
+    held_out_samples,
+    planted_by_knobs,
+)
 from labkit.trace.diagnose import KINDS
-from labkit.training.job import TrainingJob
-from labkit.training.mistakes import MISTAKES, Mistake, by_diagnosis, held_out_samples, planted_by_knobs
 
 WORLD = 2
 CLEAN = TrainingJob(global_batch=16, micro_batch=4, accuracy="none")

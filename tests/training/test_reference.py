@@ -1,4 +1,4 @@
-"""labkit.training.reference: the one data split (`rank_rows`) and the single-process reference every
+"""labkit.course.training.reference: the one data split (`rank_rows`) and the single-process reference every
 data-parallel step is checked against (`reference_backward`, `reference_gradients`, `max_abs_diff`)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labkit.course.training.reference import max_abs_diff, rank_rows, reference_backward, reference_gradients
 from labkit.models import GPT, GPTConfig, seeded_model, synthetic_batch
-from labkit.training.reference import max_abs_diff, rank_rows, reference_backward, reference_gradients
 
 CONFIG = GPTConfig(n_layers=1, d_model=16, n_heads=2, seq_len=8, vocab_size=32)
 

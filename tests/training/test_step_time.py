@@ -1,11 +1,11 @@
-"""labkit.training.step_time: a job's step over its ranks, the spread of its steps, and the fixed job against
-the clean one (a reference measured beside it, not a bound)."""
+"""labkit.course.training.step_time: a job's step over its ranks, the spread of its steps, and the fixed job
+against the clean one (a reference measured beside it, not a bound)."""
 
 from __future__ import annotations
 
-from labkit.training import TrainingJob
-from labkit.training.loop import JobResult
-from labkit.training.step_time import step_ms, step_spread_ms, versus_clean
+from labkit.course.training import TrainingJob
+from labkit.course.training.loop import JobResult
+from labkit.course.training.step_time import step_ms, step_spread_ms, versus_clean
 
 
 def _run(*steps_per_rank: list[float]) -> list[JobResult]:

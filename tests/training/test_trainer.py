@@ -1,8 +1,8 @@
-"""labkit.training.trainer: one rank's run of a `TrainingJob` on 2 emulated ranks. After one optimizer step
-every gradient sync that averages ("ddp", "overlapped", "per_tensor") gives the single-process reference's
-gradients, loss and updated weights (`labkit.training.reference`), with and without gradient accumulation
-(the micro-steps but the last under `no_sync`: one round of collectives per step); a learner's
-`accumulate` runs the micro-batches instead, and one that skips a micro-batch is told so."""
+"""labkit.course.training.trainer: one rank's run of a `TrainingJob` on 2 emulated ranks. After one optimizer
+step every gradient sync that averages ("ddp", "overlapped", "per_tensor") gives the single-process
+reference's gradients, loss and updated weights (`labkit.course.training.reference`), with and without
+gradient accumulation (the micro-steps but the last under `no_sync`: one round of collectives per step); a
+learner's `accumulate` runs the micro-batches instead, and one that skips a micro-batch is told so."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from labkit import launch
+from labkit.course.training.job import TrainingJob
+from labkit.course.training.reference import max_abs_diff, reference_backward, reference_gradients
+from labkit.course.training.trainer import Trainer
 from labkit.models import GPTConfig, seeded_model
-from labkit.training.job import TrainingJob
-from labkit.training.reference import max_abs_diff, reference_backward, reference_gradients
-from labkit.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
