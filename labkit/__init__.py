@@ -4,12 +4,13 @@ The names notebooks and users call most are importable from here; each lives in 
 idea (docs/architecture.md has the map and the whole public surface):
 
 * the cluster and its ranks: `Cluster`, `GPU` (`labkit.cluster`), `Link` (`labkit.links`), `launch`
-  (`labkit.launcher`), `RankError` (`labkit.errors`); inside a rank `device`, `current_cluster`
-  (`labkit.runtime`), `clock` (`labkit.timer`) and the memory stats (`labkit.device_memory`);
+  (`labkit.machine.launcher`), `RankError` (`labkit.errors`); inside a rank `device`, `current_cluster`
+  (`labkit.machine.runtime`), `clock` (`labkit.machine.timer`) and the memory stats
+  (`labkit.machine.device_memory`);
 * the model: `GPT`, `GPTConfig`, `seeded_model`, `synthetic_batch` (`labkit.models`);
 * memory: `estimate`, `MemoryBreakdown` (`labkit.memory`), `korthikanti_activation_bytes`
   (`labkit.activations`), `measure`, `estimate_fake`, `find_max_batch` (`labkit.measured_memory`),
-  `MemoryBudget` (`labkit.emulate`);
+  `MemoryBudget` (`labkit.machine.emulate`);
 * parallelism: `Layout` (`labkit.layout`), `plan` (`labkit.planner`), `OverlappedDDP`,
   `allreduce_gradients_naive` (`labkit.parallel.data`), `bandwidth_test` (`labkit.bandwidth`),
   `bus_bandwidth_factor` (`labkit.links`);
@@ -26,10 +27,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# CI's fake CUDA machine (labkit.emulate.fake_cuda): installed in every process that imports labkit (a
+# CI's fake CUDA machine (labkit.machine.emulate.fake_cuda): installed in every process that imports labkit (a
 # notebook's kernel, the launcher's fork server and its ranks) while $LABKIT_FAKE_CUDA names a GPU count.
 if os.environ.get("LABKIT_FAKE_CUDA", "0") not in ("", "0"):
-    importlib.import_module("labkit.emulate.fake_cuda").install()
+    importlib.import_module("labkit.machine.emulate.fake_cuda").install()
 
 # Each public name and the module it lives in. They are imported on first use (PEP 562), so
 # `labkit --help` and `import labkit` do not pay for importing torch until a name needs it.
@@ -40,13 +41,13 @@ _HOME = {
     "read_records": "labkit.course.records",
     "record": "labkit.course.records",
     "save_figure": "labkit.course.figures",
-    "MemoryBudget": "labkit.emulate",
+    "MemoryBudget": "labkit.machine.emulate",
     "RankError": "labkit.errors",
     "MISTAKES": "labkit.course.training",
     "TrainingJob": "labkit.course.training",
-    "launch": "labkit.launcher",
+    "launch": "labkit.machine.launcher",
     "Link": "labkit.links",
-    "Machine": "labkit.machine",
+    "Machine": "labkit.machine.machine",
     "bus_bandwidth_factor": "labkit.links",
     "BatchSearch": "labkit.measured_memory",
     "estimate_fake": "labkit.measured_memory",
@@ -63,12 +64,12 @@ _HOME = {
     "OverlappedDDP": "labkit.parallel.data",
     "allreduce_gradients_naive": "labkit.parallel.data",
     "plan": "labkit.planner",
-    "clock": "labkit.timer",
-    "current_cluster": "labkit.runtime",
-    "device": "labkit.runtime",
-    "max_memory_allocated": "labkit.device_memory",
-    "memory_allocated": "labkit.device_memory",
-    "reset_peak_memory_stats": "labkit.device_memory",
+    "clock": "labkit.machine.timer",
+    "current_cluster": "labkit.machine.runtime",
+    "device": "labkit.machine.runtime",
+    "max_memory_allocated": "labkit.machine.device_memory",
+    "memory_allocated": "labkit.machine.device_memory",
+    "reset_peak_memory_stats": "labkit.machine.device_memory",
     "CommLog": "labkit.trace",
     "capture": "labkit.trace",
     "overlap": "labkit.trace",

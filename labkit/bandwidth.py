@@ -4,7 +4,7 @@
 (size, time per collective, algorithm bandwidth and bus bandwidth as nccl-tests defines them,
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The bus-bandwidth
 factors and the α-β model the results are compared with live in `labkit.links`; the timer
-is `labkit.timer.clock`.
+is `labkit.machine.timer.clock`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit import runtime, timer, validate
+from labkit import validate
 from labkit.links import bus_bandwidth_factor
+from labkit.machine import runtime, timer
 
 __all__ = ["bandwidth_test"]
 
@@ -80,7 +81,7 @@ def bandwidth_test(
     `size_bytes` follows nccl-tests: the buffer of all_reduce and broadcast, the *output* of
     all_gather and the *input* of reduce_scatter (sizes are rounded down to a multiple of
     world_size elements). As in nccl-tests, `warmup` then `iters` collectives are launched
-    back to back and waited for at the end, timed on `labkit.timer.clock` (the virtual
+    back to back and waited for at the end, timed on `labkit.machine.timer.clock` (the virtual
     device clock on the emulated cluster). Each row: op, size_bytes, world_size, time_ms (per
     collective), algbw_GBps = size / time and busbw_GBps = algbw · bus_bandwidth_factor(op, n).
     """

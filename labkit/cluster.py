@@ -85,7 +85,7 @@ class Cluster:
         """A pretend cluster of CPU processes. Links default to this CPU's scaled figures.
 
         `memory_gib` is each rank's memory budget (None: no budget is enforced). `clock`:
-        "virtual" (default) times every rank on its own emulated-GPU clock (`labkit.emulate.clock`),
+        "virtual" (default) times every rank on its own emulated-GPU clock (`labkit.machine.emulate.clock`),
         exact on a busy machine; "wall" times it on the wall clock, as it runs.
         """
         validate.one_of(
@@ -185,7 +185,8 @@ class Cluster:
         matrix = _nvidia_smi_topo() if gpus else ""
         intra = gpu_links.intra_node_link(matrix, [g.name for g in gpus]) if gpus else Link(1.0, 0.0, "none")
         inter = Link(50.0, 5.0, "InfiniBand NDR 400 Gb/s (assumed)")
-        # CI's fake GPUs (labkit.emulate.fake_cuda) compute on this CPU: links scaled to it, as emulated
+        # CI's fake GPUs (labkit.machine.emulate.fake_cuda) compute on this CPU: links scaled to it, as on
+        # the emulated cluster
         if gpus and gpus[0].name.endswith(gpu_links.FAKE_CUDA_SUFFIX):
             intra, inter = default_links(calibrate.cpu_gflops().gflops)
         return cls(
@@ -260,7 +261,8 @@ class Cluster:
 
     @property
     def is_fake_cuda(self) -> bool:
-        """Is it CI's fake CUDA machine (`labkit.emulate.fake_cuda`): a GPU node's API over this CPU?"""
+        """Is it CI's fake CUDA machine (`labkit.machine.emulate.fake_cuda`): a GPU node's API over this
+        CPU?"""
         fake = gpu_links.FAKE_CUDA_SUFFIX
         return self.kind == "gpu" and bool(self.gpus) and self.gpus[0].name.endswith(fake)
 
@@ -287,7 +289,7 @@ class Cluster:
         if self.kind == "simulated":
             return f"simulated {self.gpu_name}"
         if self.is_fake_cuda:
-            return "emulated, fake CUDA"  # CI's stand-in for a GPU node (labkit.emulate.fake_cuda)
+            return "emulated, fake CUDA"  # CI's stand-in for a GPU node (labkit.machine.emulate.fake_cuda)
         return "emulated" if self.is_emulated else "measured on GPU"
 
     def topology(self) -> Topology:

@@ -1,5 +1,5 @@
-"""`RankError`: a rank failed. Raised by `labkit.launch` for the ranks it starts and by `labkit.torchrun`
-for torchrun's ranks, so both import it from here."""
+"""`RankError`: a rank failed. Raised by `labkit.launch` for the ranks it starts and by
+`labkit.machine.torchrun` for torchrun's ranks, so both import it from here."""
 
 from __future__ import annotations
 

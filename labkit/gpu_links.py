@@ -29,7 +29,8 @@ __all__ = [
     "parse_topo_matrix",
 ]
 
-# The end of a GPU's name on CI's fake CUDA machine (labkit.emulate.fake_cuda): its links are not a node's
+# The end of a GPU's name on CI's fake CUDA machine (labkit.machine.emulate.fake_cuda): its links are not
+# a node's
 FAKE_CUDA_SUFFIX = "(fake CUDA)"
 
 # Per GPU family: (NVLink generation, GB/s per link per direction, PCIe generation, GB/s of an x16

@@ -1,8 +1,8 @@
 """What each layer of a GPT costs inside a whole training step, and what it saves for backward.
 
 `profile_layers(model, x, y)` gives, per layer of a `labkit.models.GPT` ("embedding", "block i", "head"), the
-forward and backward time (on the rank's timer, `labkit.timer.clock`) and the bytes autograd saves: the costs
-`labkit.pipeline_plan.balance` splits into pipeline stages (lab 04).
+forward and backward time (on the rank's timer, `labkit.machine.timer.clock`) and the bytes autograd saves:
+the costs `labkit.pipeline_plan.balance` splits into pipeline stages (lab 04).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from labkit import _torch_compat as compat
-from labkit import timer, validate
+from labkit import validate
+from labkit.machine import _torch_compat as compat
+from labkit.machine import timer
 
 __all__ = ["LayerProfile", "profile_layers"]
 

@@ -4,7 +4,7 @@ A `Link` is one class of wire (NVLink inside a node, InfiniBand between nodes) w
 per-message latency α and a one-direction bandwidth β. A `Topology` says which rank sits
 on which node. `collective_time_s` gives the modelled seconds of a collective over the
 slowest link its ranks cross; `bus_bandwidth_factor` turns nccl-tests' algorithm bandwidth
-into bus bandwidth. The emulated process group (`labkit.emulate`), the bandwidth test
+into bus bandwidth. The emulated process group (`labkit.machine.emulate`), the bandwidth test
 (`labkit.bandwidth`) and the labs' "limit" numbers all use this model, and `default_links`
 scales it to this CPU (`labkit.calibrate`) for the emulated cluster (`labkit.cluster`).
 

@@ -8,7 +8,7 @@
   ``torch.OutOfMemoryError`` (CUDA's, or the emulated budget's), by doubling then bisection.
 
 The formulas these are checked against are ``labkit.memory``. The private torch pieces
-(MemTracker's hooks, FakeTensorMode) are fenced in ``labkit._torch_compat``.
+(MemTracker's hooks, FakeTensorMode) are fenced in ``labkit.machine._torch_compat``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit import _torch_compat as compat
 from labkit import validate
+from labkit.machine import _torch_compat as compat
 from labkit.memory import OPTIMIZERS, MemoryBreakdown
 from labkit.models import GPT, GPTConfig
 
@@ -119,7 +119,7 @@ def estimate_fake(
 ) -> MemoryBreakdown:
     """Peak memory of one training step of ``GPT(config)`` without allocating it.
 
-    The model, optimizer and batch are FakeTensors (``labkit._torch_compat.fake_tensor_mode``): shapes
+    The model, optimizer and batch are FakeTensors (``labkit.machine._torch_compat.fake_tensor_mode``): shapes
     and dtypes are real, storage is not, so a 7B-parameter step is "run" in seconds with a
     few hundred MB of real memory and measured with ``measure`` (on the CPU code path, e.g.
     CPU attention kernels). ``precision``: "fp32", "bf16" (model and Adam states in bf16) or

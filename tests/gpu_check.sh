@@ -34,7 +34,7 @@ BUDGET=600   # a lent node's 10 minutes: the worst case must fit
 # more ranks than the node has GPUs, and its script under torchrun on the GPU where it runs on one rank); lab
 # 06's notebook not done in 75 s. The four small modules share one step: each starts one or two GPU ranks.
 STEPS=(
-  "preflight|45|versions (torch, CUDA, NCCL), nvidia-smi, labkit._torch_compat.problems(), labkit doctor"
+  "preflight|45|versions (torch, CUDA, NCCL), nvidia-smi, labkit.machine._torch_compat.problems(), labkit doctor"
   "rows|60|tests/gpu_rows.py: the one-rank rows at the labs' GPU sizes"
   "core|60|tests/test_launcher.py tests/test_bandwidth.py tests/trace/test_capture.py tests/test_memory.py"
   "lab00|45|tests/labs/test_00_cluster_tour.py"

@@ -14,9 +14,9 @@ block) and, on a GPU, where its memory snapshot was written (open it at https://
 The helpers of tests/gpu_check.sh import neither torch nor labkit, so that they still report where torch is
 broken (except `preflight`, whose job is to say how torch is):
 
-    python tests/gpu_rows.py preflight LOGS          versions, labkit._torch_compat.problems(), what's missing
-    python tests/gpu_rows.py pytest ARGS...          pytest, stopped by SIGINT even if the shell ignored it
-    python tests/gpu_rows.py step-rows LOGS STEP EXIT SECONDS LIMIT [--show-log]
+    python tests/gpu_rows.py preflight LOGS          versions, labkit.machine._torch_compat.problems(), what's
+    missing python tests/gpu_rows.py pytest ARGS...          pytest, stopped by SIGINT even if the shell
+    ignored it python tests/gpu_rows.py step-rows LOGS STEP EXIT SECONDS LIMIT [--show-log]
                                                      a finished step's rows (from its junit file, its rows
                                                      file, its exit status and its log), printed and kept
     python tests/gpu_rows.py end-leftovers SID MARKER  end the processes a step left behind, saying which
@@ -367,16 +367,20 @@ def _torch_checks(add: Callable[[str, bool, str, str], None]) -> list[str]:
     )
     add("a GPU torch can use", gpus > 0, f"{gpus} GPU(s): {', '.join(names)}" if gpus else no_gpu, "")
     try:
-        from labkit import _torch_compat
+        from labkit.machine import _torch_compat
 
         found = _torch_compat.problems()
     except Exception as exc:  # labkit does not import on this torch
         found = [f"labkit does not import: {type(exc).__name__}: {exc}"]
-    print("labkit._torch_compat.problems():", "none" if not found else "")
+    print("labkit.machine._torch_compat.problems():", "none" if not found else "")
     for line in found:
         print(f"  {line}")
-    add("labkit._torch_compat.problems()", not found, f"{len(found)}: {found[0]}" if found else "none",
-        "\n".join(found))
+    add(
+        "labkit.machine._torch_compat.problems()",
+        not found,
+        f"{len(found)}: {found[0]}" if found else "none",
+        "\n".join(found),
+    )
     return [] if gpus else ["no GPU torch can use"]
 
 
@@ -435,8 +439,8 @@ def _lab02(on_gpu: bool) -> tuple[str, bool]:
 def _lab02_capped(on_gpu: bool) -> tuple[str, bool]:
     import torch
 
-    from labkit import device_memory
     from labkit.course.experiments.oom_batch import Params, dp_train, fixed_micro_batch
+    from labkit.machine import device_memory
 
     p = Params(world_size=1).resolve(on_gpu=on_gpu)
     micro, _ = fixed_micro_batch(p)
@@ -453,8 +457,8 @@ def _lab02_capped(on_gpu: bool) -> tuple[str, bool]:
 
 
 def _finder(on_gpu: bool) -> tuple[str, bool]:
-    from labkit import device_memory
     from labkit.course.experiments.oom_batch import Params, max_micro_batch
+    from labkit.machine import device_memory
 
     p = Params(world_size=1).resolve(on_gpu=on_gpu)
     with device_memory.memory_limit(int(p.memory_mib * MiB)):
@@ -548,7 +552,7 @@ ROWS: list[tuple[str, Callable[[bool], tuple[str, bool]]]] = [
 
 def _record_memory_history() -> bool:
     """Keep the allocator's recent history, so that an OOM can be dumped as a snapshot (torch's private
-    API, hence guarded: labkit itself reaches private names only in labkit/_torch_compat.py)."""
+    API, hence guarded: labkit itself reaches private names only in labkit/machine/_torch_compat.py)."""
     import torch
 
     record = getattr(torch.cuda.memory, "_record_memory_history", None)
@@ -586,7 +590,7 @@ def rows(rows_file: str | None = None) -> list[Row]:
     import torch
 
     import labkit
-    from labkit import device_memory
+    from labkit.machine import device_memory
 
     on_gpu = labkit.device().type == "cuda"
     out_dir = Path(rows_file).parent if rows_file else None

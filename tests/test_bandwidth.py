@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import Cluster, bandwidth, launch, runtime, timer
+from labkit import Cluster, bandwidth, launch
 from labkit.bandwidth import bandwidth_test
 from labkit.links import Link, bus_bandwidth_factor, collective_time_s
+from labkit.machine import runtime, timer
 
 
 def worker_bandwidth() -> list[dict]:

@@ -301,8 +301,9 @@ ALL_EIGHT = [
 
 def _describe_only(monkeypatch) -> None:
     """`labkit doctor --as` describes: it must not look for GPUs, calibrate this CPU or start a rank."""
-    from labkit import calibrate, launcher
+    from labkit import calibrate
     from labkit.cluster import Cluster
+    from labkit.machine import launcher
 
     def refuse(*args, **kwargs):
         raise AssertionError("labkit doctor --as ran something")

@@ -1,4 +1,4 @@
-"""labkit.device_memory: the memory numbers of a rank in both worlds.
+"""labkit.machine.device_memory: the memory numbers of a rank in both worlds.
 
 * on the CPU: the emulated `MemoryBudget` counts, `tracked()` opens a counting budget where nothing does, and
   `step_peak` measures one step from either;
@@ -15,8 +15,8 @@ import types
 import pytest
 import torch
 
-from labkit import device_memory, emulate, runtime
-from labkit.device_memory import StepPeak
+from labkit.machine import device_memory, emulate, runtime
+from labkit.machine.device_memory import StepPeak
 
 MiB = 2**20
 

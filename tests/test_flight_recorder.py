@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from labkit import flight_recorder
-from labkit.emulate import diagnose_hang
+from labkit.machine import flight_recorder
+from labkit.machine.emulate import diagnose_hang
 
 
 def _entry(seq: int, state: str, name: str = "nccl:all_reduce", size=(1024,)) -> dict:

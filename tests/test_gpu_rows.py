@@ -220,7 +220,7 @@ def test_the_preflight_says_why_the_checks_cannot_run_here_and_flags_an_old_torc
     lines = (tmp_path / "preflight.rows.jsonl").read_text().splitlines()
     rows = {r["check"]: r for r in map(json.loads, lines)}
     assert rows["a GPU torch can use"]["result"] == "failed" and "torch version" in rows
-    assert "labkit._torch_compat.problems()" in rows and "OLDER" not in capsys.readouterr().out
+    assert "labkit.machine._torch_compat.problems()" in rows and "OLDER" not in capsys.readouterr().out
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu128")  # the last lent H200's
     (tmp_path / "old").mkdir()
     gpu_rows.preflight(tmp_path / "old")

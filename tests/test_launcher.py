@@ -1,4 +1,4 @@
-"""labkit.launcher: results, notebook-defined functions, every failure case, interrupts, leaks.
+"""labkit.machine.launcher: results, notebook-defined functions, every failure case, interrupts, leaks.
 
 No assertion here reads the wall clock: each failure case is told apart by what the error says (which
 mechanism ended the run: the rank's own raise, gloo's collective timeout, the launcher's deadline or its
@@ -223,7 +223,7 @@ def test_rank_that_raises_is_named_with_type_message_and_traceback():
     line = first + next(i for i, text in enumerate(lines) if "raise ValueError" in text)
     assert 'test_launcher.py", line' not in str(err) and "where: " in str(err)
     assert f"test_launcher.py, line {line}, in _raise_on_rank1: raise ValueError(" in str(err)
-    assert "labkit/worker.py" not in str(err) and "labkit/worker.py" in err.remote_traceback
+    assert "labkit/machine/worker.py" not in str(err) and "labkit/machine/worker.py" in err.remote_traceback
     assert len(str(err).splitlines()) <= 4
     # rank 0, in its all_reduce (60 s timeout), was stopped by the launcher at once, not by its timeout
     assert "rank 0 was stopped while running" in str(err)
@@ -510,7 +510,7 @@ def _rank1_raises_after_rank0_returned() -> int:
         # wait until rank 0 has returned (its result is written; it waits to leave with rank 1), then fail
         from pathlib import Path
 
-        from labkit import emulate
+        from labkit.machine import emulate
 
         returned = Path(os.environ[emulate.RECORD_DIR_ENV]) / "rank0.result"
         while not returned.exists():
@@ -542,7 +542,7 @@ def test_a_rank_that_hangs_after_the_others_returned_is_named():
 
 
 def _sum_on_gpu(offset: int) -> tuple[float, str, str]:
-    from labkit import runtime
+    from labkit.machine import runtime
 
     dev = runtime.device()
     t = torch.full((1 << 20,), float(dist.get_rank() + offset), device=dev)
@@ -568,7 +568,7 @@ def _resolver_options() -> str | None:
 
 def test_a_launch_asks_glibc_to_retry_a_lost_name_lookup_after_1_s_and_puts_the_environment_back(monkeypatch):
     # torch's store looks up the name of every rank's address; a dropped query held the store 5 s
-    # (labkit/launcher.py, _quick_name_lookups)
+    # (labkit/machine/launcher.py, _quick_name_lookups)
     monkeypatch.delenv("RES_OPTIONS", raising=False)
     assert launch(_resolver_options, world_size=2, cluster=CPU) == ["timeout:1", "timeout:1"]
     assert "RES_OPTIONS" not in os.environ

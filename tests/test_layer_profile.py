@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import layer_profile, runtime
+from labkit import layer_profile
 from labkit.layer_profile import profile_layers
+from labkit.machine import runtime
 from labkit.models import GPT, GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.pipeline import layer_names
 
@@ -40,7 +41,8 @@ def test_profile_layers_names_every_layer_and_the_heavy_head():
 
 
 def test_the_layers_are_timed_on_the_ranks_timer(monkeypatch):
-    # labkit.timer.clock (here a fake counter a millisecond per reading): every layer is timed, none is 0
+    # labkit.machine.timer.clock (here a fake counter a millisecond per reading): every layer is timed,
+    # none is 0
     ticks = iter(range(10**6))
     monkeypatch.setattr(layer_profile.timer, "clock", lambda: next(ticks) * 1e-3)
     monkeypatch.delenv(runtime.CLUSTER_ENV, raising=False)

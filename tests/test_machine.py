@@ -1,4 +1,4 @@
-"""labkit.machine: one value for where a lab runs, asked instead of the machine's kind."""
+"""labkit.machine.machine: one value for where a lab runs, asked instead of the machine's kind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from labkit.cluster import Cluster
 from labkit.course.experiments.oom_batch import Params
-from labkit.machine import LARGE_SEGMENT_BYTES, Machine
+from labkit.machine.machine import LARGE_SEGMENT_BYTES, Machine
 
 
 def _gpu() -> Machine:

@@ -335,7 +335,7 @@ def test_for_each_adam_holds_one_more_copy_of_its_states_in_its_step_which_the_e
     activations) it holds one fp32 copy of the parameters beside them (the for-loop Adam, torch's default on
     CPU tensors, one or two copies of the largest tensor at a time), and `estimate(..., foreach=True)` counts
     it; without it the estimate falls short by that copy."""
-    from labkit.emulate import MemoryBudget
+    from labkit.machine.emulate import MemoryBudget
 
     config = GPTConfig(n_layers=2, d_model=128, n_heads=4, vocab_size=64, seq_len=4)
     peaks = {}

@@ -127,7 +127,7 @@ def test_readme_shows_the_ci_test_command() -> None:
 
 
 def test_the_wheel_holds_every_subpackage(tmp_path):
-    """A regular (non-editable) install gets labkit/emulate, parallel, trace, ... too."""
+    """A regular (non-editable) install gets labkit/machine/emulate, parallel, trace, ... too."""
     import subprocess
     import sys
     import zipfile
@@ -163,7 +163,7 @@ def test_help_and_import_do_not_import_torch() -> None:
         "import sys, labkit, labkit.course.cli\ntry:\n    labkit.course.cli.main(['--help'])\n"
         "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch was imported'\n"
         "from labkit import launch, "
-        "measure\nimport labkit.launcher, labkit.measured_memory\nassert callable(labkit.launch) and "
+        "measure\nimport labkit.machine.launcher, labkit.measured_memory\nassert callable(labkit.launch) and "
         "callable(labkit.measure), (labkit.launch, labkit.measure)\nassert labkit.memory.estimate is "
         "labkit.estimate\nassert set(labkit.__all__) <= set(dir(labkit))\n"
     )

@@ -1,9 +1,9 @@
-"""labkit.rank_setup: a rank's process group and device. Torchrun's ranks get "cpu:gloo,cuda:nccl" bound to
-their GPU, their warm baseline recorded and the cap above it, NCCL's flight recorder told where to dump; a
-launched GPU rank the same through NCCL; a virtual-clock rank keeps freed memory instead of page-faulting
-it in again.
+"""labkit.machine.rank_setup: a rank's process group and device. Torchrun's ranks get "cpu:gloo,cuda:nccl"
+bound to their GPU, their warm baseline recorded and the cap above it, NCCL's flight recorder told where to
+dump; a launched GPU rank the same through NCCL; a virtual-clock rank keeps freed memory instead of
+page-faulting it in again.
 
-CUDA is mocked here (torch.cuda, init_process_group and `labkit.device_memory`'s baseline): what is
+CUDA is mocked here (torch.cuda, init_process_group and `labkit.machine.device_memory`'s baseline): what is
 checked is what set-up asks of them, in which order, on any machine."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import Cluster, device_memory, flight_recorder, launch, rank_setup
+from labkit import Cluster, launch
 from labkit.cluster import GPU
 from labkit.links import Link
+from labkit.machine import device_memory, flight_recorder, rank_setup
 
 FLIGHT_RECORDER_VARS = (
     "TORCH_FR_DUMP_TEMP_FILE",
@@ -158,7 +159,7 @@ def test_a_virtual_rank_reuses_freed_memory_instead_of_page_faulting_it_in_again
 def _faults_of_fresh_tensors(warm: bool) -> tuple[bool, int]:
     import resource
 
-    from labkit import runtime
+    from labkit.machine import runtime
 
     warmed = runtime.warm_heap(64) if warm else False
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -187,7 +188,7 @@ def test_a_warmed_heap_serves_fresh_tensors_without_page_faults():
 def test_a_simulated_rank_does_not_warm_its_heap(monkeypatch):
     """A simulated machine's clock counts each operator's modelled time, never the host's page faults: paging
     256 MiB in on each of its ranks would only cost CPU (3 % of a profile of lab 05's simulated script)."""
-    from labkit import runtime
+    from labkit.machine import runtime
 
     monkeypatch.setenv(runtime.CLUSTER_ENV, Cluster.preset("dgx-h100").simulated().to_json())
     assert runtime.on_virtual_clock() and runtime.on_simulated()
@@ -198,7 +199,7 @@ def test_a_simulated_rank_keeps_its_own_core(monkeypatch):
     """Ranks compared by CPU time share one core (`runtime.share_one_core`); a simulated machine's clock
     counts modelled operator times, not CPU time, so its ranks keep a core each and the run takes half the
     wall time on two cores."""
-    from labkit import runtime
+    from labkit.machine import runtime
 
     monkeypatch.setenv(runtime.CLUSTER_ENV, Cluster.preset("dgx-h100").simulated().to_json())
     assert runtime.on_virtual_clock() and runtime.on_simulated() and not runtime.clock_counts_cpu_time()

@@ -1,4 +1,4 @@
-"""labkit.timer: `clock()`, `Mark` and `Span` on each kind of rank, and `waited()`.
+"""labkit.machine.timer: `clock()`, `Mark` and `Span` on each kind of rank, and `waited()`.
 
 * off the virtual clock and without CUDA (a plain process, a CPU torchrun rank): `time.perf_counter`
   readings, here a fake counter so that every number is exact;
@@ -16,9 +16,10 @@ import itertools
 import pytest
 import torch
 
-from labkit import Cluster, emulate, runtime, timer
+from labkit import Cluster
 from labkit.links import Link
-from labkit.timer import Mark, Span
+from labkit.machine import emulate, runtime, timer
+from labkit.machine.timer import Mark, Span
 
 
 @pytest.fixture

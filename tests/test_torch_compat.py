@@ -1,4 +1,4 @@
-"""labkit._torch_compat: every private torch internal labkit uses is there and looks as expected,
+"""labkit.machine._torch_compat: every private torch internal labkit uses is there and looks as expected,
 and no other module of labkit reaches into torch's private names."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import _torch_compat as compat
+import labkit
+from labkit.machine import _torch_compat as compat
 
-PACKAGE = Path(compat.__file__).resolve().parent
+PACKAGE = Path(labkit.__file__).resolve().parent  # every module of labkit, the machine's and the others
 PRIVATE = re.compile(r"\btorch\.(?:_(?!_)\w|utils\._|distributed\._)|\._plugins\b|_world\.pg_map")
 
 
@@ -39,7 +40,7 @@ def test_a_changed_signature_is_reported(monkeypatch):
 
 
 def test_the_emulated_group_overrides_only_listed_private_methods():
-    from labkit.emulate import EmulatedProcessGroup
+    from labkit.machine.emulate import EmulatedProcessGroup
 
     overridden = {
         n
@@ -60,7 +61,7 @@ def test_no_private_torch_name_outside_the_compat_module(path: Path):
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if PRIVATE.search(line) and not line.lstrip().startswith("#")
     ]
-    assert not hits, "private torch names belong in labkit/_torch_compat.py:\n" + "\n".join(hits)
+    assert not hits, "private torch names belong in labkit/machine/_torch_compat.py:\n" + "\n".join(hits)
 
 
 @pytest.mark.parametrize("block", ["gpt2", "llama"])

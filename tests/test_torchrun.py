@@ -1,5 +1,5 @@
-"""labkit.torchrun: `launch` in a process torchrun started runs there and gathers every rank's result; the
-group stays for the next launch, a rank's error reaches every rank at once, an emulated cluster is
+"""labkit.machine.torchrun: `launch` in a process torchrun started runs there and gathers every rank's result;
+the group stays for the next launch, a rank's error reaches every rank at once, an emulated cluster is
 refused, and a task another launcher started without torchrun is told how to start."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from labkit import torchrun
+from labkit.machine import torchrun
 
 
 def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path, labkit_env):
@@ -79,7 +79,7 @@ def test_a_raise_under_torchrun_is_reported_while_a_peer_is_blocked_in_a_collect
             """
             import os, torch, torch.distributed as dist
             import labkit
-            from labkit import torchrun
+            from labkit.machine import torchrun
 
             def fn():
                 if dist.get_rank() == 0:

@@ -1,5 +1,5 @@
-"""labkit.worker: what a rank sends back (detached, on the CPU, inside dataclasses too) and the environment
-it runs in, as torchrun would set it."""
+"""labkit.machine.worker: what a rank sends back (detached, on the CPU, inside dataclasses too) and the
+environment it runs in, as torchrun would set it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit import Cluster, emulate, runtime
+from labkit import Cluster
 from labkit.links import Link
-from labkit.worker import _rank_env, to_cpu
+from labkit.machine import emulate, runtime
+from labkit.machine.worker import _rank_env, to_cpu
 
 
 def test_results_come_back_detached_inside_dataclasses_too():

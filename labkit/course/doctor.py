@@ -113,7 +113,7 @@ def _smoke(world_size: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from labkit.runtime import device
+    from labkit.machine.runtime import device
 
     t = torch.full((1024,), float(dist.get_rank() + 1), device=device())
     dist.all_reduce(t)
@@ -126,7 +126,7 @@ def doctor(cluster_kind: str = "auto", recalibrate: bool = False) -> int:
     import torch
 
     from labkit.cluster import Cluster
-    from labkit.launcher import launch
+    from labkit.machine.launcher import launch
 
     print(
         f"python    {platform.python_version()} on {platform.system()} {platform.machine()}, "

@@ -215,7 +215,7 @@ def _measured_on(records: dict[str, Any]) -> str:
     "sim:<preset>"; the emulated cluster in all but compute, so it also records `emulated`), the emulated
     cluster, or GPUs; the label its `Machine` recorded ("where") where it has one. Numbers that are not a
     GPU's are labelled so wherever they are shown."""
-    where = records.get("where")  # the lab's Machine label (labkit.machine.Machine.records)
+    where = records.get("where")  # the lab's Machine label (labkit.machine.machine.Machine.records)
     if isinstance(where, str) and where:
         return where
     cluster = (records.get("params") or {}).get("cluster")

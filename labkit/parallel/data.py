@@ -37,7 +37,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
-from labkit import runtime, validate
+from labkit import validate
+from labkit.machine import runtime
 from labkit.trace.commlog import CommLog
 
 __all__ = [

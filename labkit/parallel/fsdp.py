@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from labkit import _torch_compat as compat
+from labkit.machine import _torch_compat as compat
 from labkit.models import GPT
 
 __all__ = ["full_gradients", "fully_sharded"]

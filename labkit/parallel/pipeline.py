@@ -9,7 +9,7 @@ the balanced one, `split_evenly` the naive one); `GPTStage` holds one stage's la
 (PipeDream-Flush: Narayanan, Phanishayee et al., ICML 2021, "Memory-Efficient Pipeline-Parallel DNN
 Training"; one forward, one backward in the steady state) or
 interleaved 1F1B (Narayanan et al. 2021, section 2.2: v chunks per rank, stage s on rank s mod p);
-`clock_stages` records each forward and backward a stage runs on `labkit.timer`, and what it sends.
+`clock_stages` records each forward and backward a stage runs on `labkit.machine.timer`, and what it sends.
 
 The naive version is the usual default: the blocks divided equally over the stages, the embedding on
 the first and the head on the last (`even_split`), which ignores what the layers cost. The process
@@ -28,10 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import _torch_compat as compat
-from labkit import runtime, validate
+from labkit import validate
+from labkit.machine import _torch_compat as compat
+from labkit.machine import runtime
+from labkit.machine.timer import Mark
 from labkit.models import GPT, GPTConfig, on_device
-from labkit.timer import Mark
 
 __all__ = [
     "SCHEDULE_CLASSES",
@@ -198,7 +199,8 @@ def _simulable(schedule: Any) -> Any:
 @dataclass
 class StageLog:
     """What this rank's stages did in a step: each forward and backward chunk as (kind "F"/"B", stage,
-    micro-batch, start mark, end mark) on `labkit.timer`, and the point-to-point sends (count, bytes)."""
+    micro-batch, start mark, end mark) on `labkit.machine.timer`, and the point-to-point sends (count,
+    bytes)."""
 
     spans: list[tuple[str, int, int, Mark, Mark]] = field(default_factory=list)
     sends: int = 0
@@ -210,8 +212,8 @@ class StageLog:
 
 
 def clock_stages(stages: list) -> StageLog:
-    """Record each forward and backward chunk of `stages` (`labkit.timer.Mark`s: CUDA events on a GPU, so the
-    device is not stopped between chunks) and the bytes each sends, into the returned `StageLog`.
+    """Record each forward and backward chunk of `stages` (`labkit.machine.timer.Mark`s: CUDA events on a GPU,
+    so the device is not stopped between chunks) and the bytes each sends, into the returned `StageLog`.
 
     torch.distributed.pipelining has no per-micro-batch hook; every schedule calls these public methods of the
     stage once per micro-batch (schedules.py: `forward_one_chunk`, `backward_one_chunk`, `get_*_send_ops`), so

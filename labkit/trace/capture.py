@@ -2,7 +2,7 @@
 
 `capture(step_fn, steps=3, warmup=1, path=...)` profiles a few steps (a schedule with
 wait=0, warmup, active=steps, repeat=1: traces stay small), on CUDA too when this rank is
-on a GPU (`labkit.runtime.on_gpu`), and writes the spans of a `CommLog` (`commlog.py`) into
+on a GPU (`labkit.machine.runtime.on_gpu`), and writes the spans of a `CommLog` (`commlog.py`) into
 the exported JSON so that asynchronous collectives appear from issue to completion. On the
 emulated cluster's virtual clock it also writes the device timeline (`device.py`). The files
 are read back by `timeline.py`.
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from labkit import emulate, runtime, validate
+from labkit import validate
+from labkit.machine import runtime, timer
 from labkit.trace.commlog import COMM_CATEGORY, COMM_THREAD, CommLog
 from labkit.trace.device import device_trace_path, write_device_trace
 from labkit.trace.timeline import STEP_END_SYNC, dump_json, load_json
@@ -91,7 +92,7 @@ def capture(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
     anchors: list[tuple[int, int]] = []  # perf_counter_ns just before and after each clock_sync
-    clock = emulate.rank_clock() if device_trace and runtime.on_virtual_clock() else None
+    clock = timer.virtual_clock() if device_trace else None
     windows: list[tuple[int, float, float]] = []  # (step, virtual start, virtual end)
     prof = profile(
         activities=activities,

@@ -13,7 +13,7 @@ gloo, 2 ranks, a 16 MB `dist.all_reduce(async_op=True)` overlapped with matmuls)
   that took 99.6 ms), so a profiler region cannot span issue to completion.
 
 With plain gloo the `gloo:*` events are therefore enough. With the emulated interconnect
-(`labkit.emulate`) they are not: gloo finishes the real transfer, and the work completes
+(`labkit.machine.emulate`) they are not: gloo finishes the real transfer, and the work completes
 later, when the link model says so (that Python process group also leaves no
 `c10d::allreduce_` event on the calling thread; the inner `gloo:all_reduce` events remain).
 The convention, which works for both:
@@ -35,7 +35,7 @@ measured on a busy 2-core machine, where a span ended 1 ms after `wait()` had re
 
 On CUDA an NCCL work's future completes when the kernel is *enqueued*
 (`ProcessGroupNCCL::collective` calls `future_->markCompleted` right after the launch; it
-is a CUDA-aware future), so `CommLog` skips collectives on a GPU rank (`labkit.runtime.on_gpu`):
+is a CUDA-aware future), so `CommLog` skips collectives on a GPU rank (`labkit.machine.runtime.on_gpu`):
 there the NCCL kernels in the trace are the comm lane.
 """
 
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from labkit import runtime
+from labkit.machine import runtime
 
 __all__ = ["COMM_CATEGORY", "COMM_THREAD", "CommLog", "CommSpan"]
 

@@ -1,7 +1,7 @@
 """The emulated device timeline: what each emulated GPU did, in virtual time, as a Chrome trace.
 
 On a GPU the kernel timeline shows when the device computed and when NCCL kernels ran. On
-the emulated cluster's virtual clock (`labkit.emulate.clock`) its counterpart is built from
+the emulated cluster's virtual clock (`labkit.machine.emulate.clock`) its counterpart is built from
 what the clock records: a rank computes except while it waits (each wait is a forward jump
 of its clock), and every collective runs from its issue to its modelled completion.
 `capture` writes one such file per rank next to the torch.profiler host trace
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from labkit.emulate.clock import VirtualClock
+from labkit.machine.timer import VirtualClock
 from labkit.trace.commlog import COMM_CATEGORY
 from labkit.trace.phases import PHASE_CATEGORY, PHASE_PREFIX
 from labkit.trace.timeline import Trace, dump_json, read_trace, subtract, union

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from torch.profiler import record_function
 
-from labkit import emulate, runtime
+from labkit.machine import runtime, timer
 
 __all__ = ["PHASE_CATEGORY", "PHASE_PREFIX", "phase"]
 
@@ -26,7 +26,7 @@ PHASE_CATEGORY = "labkit_phase"  # the device timeline's phase events (not compu
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Mark the work inside the block as phase `name` in the host trace, NVTX and the device timeline."""
-    clock = emulate.rank_clock() if runtime.on_virtual_clock() else None
+    clock = timer.virtual_clock()
     nvtx = None
     if runtime.on_gpu():
         import torch

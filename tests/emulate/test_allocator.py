@@ -1,4 +1,4 @@
-"""labkit.emulate.allocator: the model of CUDA's caching allocator, worked by hand.
+"""labkit.machine.emulate.allocator: the model of CUDA's caching allocator, worked by hand.
 
 Each test names the rule of c10/cuda/CUDACachingAllocator.cpp it checks; the numbers are
 worked out on paper from those rules (and, where marked, match the PyTorch devlog "When does
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.emulate import CachingAllocator
-from labkit.emulate.allocator import allocation_size, format_size, round_size
+from labkit.machine.emulate import CachingAllocator
+from labkit.machine.emulate.allocator import allocation_size, format_size, round_size
 
 KiB, MiB = 2**10, 2**20
 

@@ -1,6 +1,6 @@
-"""labkit.emulate.budget: `MemoryBudget`, an emulated GPU's memory: a CUDA-like OOM naming the rank, views
-counted once, tensors made earlier tracked, and with the caching-allocator model
-(`labkit.emulate.allocator`) reserved memory and its fragmentation OOM."""
+"""labkit.machine.emulate.budget: `MemoryBudget`, an emulated GPU's memory: a CUDA-like OOM naming the rank,
+views counted once, tensors made earlier tracked, and with the caching-allocator model
+(`labkit.machine.emulate.allocator`) reserved memory and its fragmentation OOM."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import labkit
 from labkit import Cluster, Link, launch
-from labkit.emulate import CachingAllocator, MemoryBudget
+from labkit.machine.emulate import CachingAllocator, MemoryBudget
 
 MiB = 2**20
 

@@ -1,5 +1,5 @@
-"""labkit.emulate.clock: `VirtualClock`, an emulated rank's device time: its main thread's CPU time plus the
-waits it jumps over, never backwards; the device timeline it keeps; one clock per rank process.
+"""labkit.machine.emulate.clock: `VirtualClock`, an emulated rank's device time: its main thread's CPU time
+plus the waits it jumps over, never backwards; the device timeline it keeps; one clock per rank process.
 
 Every number here is CPU time or virtual time (a model output), not wall time: sleeping costs nothing."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from labkit.emulate.clock import VirtualClock, rank_clock
+from labkit.machine.emulate.clock import VirtualClock, rank_clock
 
 
 def busy(seconds: float) -> None:

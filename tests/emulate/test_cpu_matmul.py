@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.emulate import MemoryBudget
-from labkit.emulate.cpu_matmul import compute
+from labkit.machine.emulate import MemoryBudget
+from labkit.machine.emulate.cpu_matmul import compute
 
 aten = torch.ops.aten
 

@@ -1,5 +1,5 @@
-"""labkit.emulate.fake_cuda: CI's fake CUDA machine, in a fresh interpreter (it patches torch.cuda for the
-rest of the process), pinned against what CUDA's caching allocator does."""
+"""labkit.machine.emulate.fake_cuda: CI's fake CUDA machine, in a fresh interpreter (it patches torch.cuda for
+the rest of the process), pinned against what CUDA's caching allocator does."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 _PROBE = r"""
 import json, torch, labkit
 from labkit.cluster import Cluster
-from labkit.machine import Machine
+from labkit.machine.machine import Machine
 MiB = 2**20
 out = {"available": torch.cuda.is_available(), "count": torch.cuda.device_count()}
 c = Cluster.resolve("auto", 2)

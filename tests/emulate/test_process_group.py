@@ -1,5 +1,6 @@
-"""labkit.emulate.process_group: the emulated group charges the ring formula on the wall clock (clock="wall")
-and never beats it, and DDP, batched point-to-point and pipelining run over it with one process's numerics.
+"""labkit.machine.emulate.process_group: the emulated group charges the ring formula on the wall clock
+(clock="wall") and never beats it, and DDP, batched point-to-point and pipelining run over it with one
+process's numerics.
 
 How close the wall clock comes to the model from above depends on the machine and its load: that is measured
 by benchmarks/emulated_link.py (medians, `--check`), not asserted here. The virtual clock: test_timing.py."""

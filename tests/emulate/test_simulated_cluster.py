@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import timer
 from labkit.bandwidth import bandwidth_test
 from labkit.cluster import Cluster
 from labkit.links import collective_time_s
+from labkit.machine import timer
 from labkit.op_time import DISPATCH_S, kernel_s
 
 
@@ -20,7 +20,7 @@ def _all_reduce(nbytes: int) -> tuple[float, str, str]:
     dist.all_reduce(t)  # the first one: every rank has issued it
     start = timer.clock()
     dist.all_reduce(t)
-    return timer.clock() - start, type(t).__name__, labkit.runtime.current_cluster().label
+    return timer.clock() - start, type(t).__name__, labkit.machine.runtime.current_cluster().label
 
 
 def test_a_simulated_all_reduce_takes_the_links_alpha_beta_time_and_moves_no_data():
@@ -77,10 +77,10 @@ def _after_a_barrier(late_ops: int, ops: int) -> float:
         for _ in range(late_ops):
             x.add_(1)
     dist.barrier()
-    start = labkit.emulate.rank_clock().now()  # no synchronize: what the barrier itself leaves
+    start = labkit.machine.emulate.rank_clock().now()  # no synchronize: what the barrier itself leaves
     for _ in range(ops):
         x.add_(1)
-    return labkit.emulate.rank_clock().now() - start
+    return labkit.machine.emulate.rank_clock().now() - start
 
 
 def test_a_barrier_blocks_the_host_so_a_rank_that_waited_in_it_gains_no_head_start():

@@ -1,15 +1,16 @@
-"""The simulated GPU (labkit.emulate.SimulatedDevice): each operator on FakeTensors timed on a described GPU,
-memory held to the card. In one process, no ranks: the launch-level tests are test_simulated_cluster.py."""
+"""The simulated GPU (labkit.machine.emulate.SimulatedDevice): each operator on FakeTensors timed on a
+described GPU, memory held to the card. In one process, no ranks: the launch-level tests are
+test_simulated_cluster.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from labkit import _torch_compat as compat
 from labkit import op_time
 from labkit.cluster import Cluster
-from labkit.emulate import SimulatedDevice, VirtualClock, active_budget
+from labkit.machine import _torch_compat as compat
+from labkit.machine.emulate import SimulatedDevice, VirtualClock, active_budget
 from labkit.memory import estimate
 from labkit.models import GPT, GPTConfig, gpt_in
 from labkit.planner import forward_flops_per_token

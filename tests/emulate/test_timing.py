@@ -1,4 +1,4 @@
-"""labkit.emulate.timing: when an emulated collective completes on the ranks' virtual clocks
+"""labkit.machine.emulate.timing: when an emulated collective completes on the ranks' virtual clocks
 (`VirtualTiming`), and what that makes exact: an idle link takes the model's time, two collectives on one
 group serialise, a late rank delays the others, naive vs overlapped DDP cost what the α-β model says,
 DDP's C++ waits are paid, and pipelining keeps one process's numerics.
@@ -42,7 +42,7 @@ def busy(seconds: float) -> None:
 
 def _issued(work) -> float:
     """When this rank issued the collective it last waited for, from its device timeline."""
-    name, issued, done, _ = labkit.emulate.rank_clock().collectives[-1]
+    name, issued, done, _ = labkit.machine.emulate.rank_clock().collectives[-1]
     assert done == work.done_at, name  # the entry is this work's
     return issued
 
@@ -130,14 +130,14 @@ def _synthetic_step(mode: str, layers: int, numel: int, seconds: float) -> tuple
     times = []
     for _ in range(2):
         dist.barrier()
-        t0, waited0 = labkit.clock(), labkit.timer.waited()
+        t0, waited0 = labkit.clock(), labkit.machine.timer.waited()
         (ddp or model)(torch.ones(4, requires_grad=True)).sum().backward()
         if ddp is None:
             allreduce_gradients_naive(model)
         else:
             ddp.finish_gradient_synchronization()
         step = labkit.clock() - t0
-        times.append((step, step - (labkit.timer.waited() - waited0) - layers * seconds))
+        times.append((step, step - (labkit.machine.timer.waited() - waited0) - layers * seconds))
     return times[-1]
 
 

@@ -23,7 +23,7 @@ from labkit.course.experiments.capstone import (
 from labkit.course.training import MISTAKES, TrainingJob
 from labkit.course.training.job import job_name
 from labkit.course.training.mistakes import planted_by_knobs
-from labkit.machine import Machine
+from labkit.machine.machine import Machine
 
 CPU = Cluster.emulated(gpus_per_node=2)
 

@@ -1,5 +1,6 @@
 """The capstone on a GPU, predicted without one: its jobs' steps replayed through labkit's model of CUDA's
-caching allocator (`labkit.emulate.allocator`), whose reserved bytes are what a GPU's memory cap limits.
+caching allocator (`labkit.machine.emulate.allocator`), whose reserved bytes are what a GPU's memory cap
+limits.
 
 Pinned: at the emulated sizes a card would run out on the clean job (28 MiB reserved against 22) and could not
 tell the planted OOM (30) from it; at the GPU sizes (`GPU_MODEL`, `SEGMENT_SLACK_MIB` more memory) the clean
@@ -14,7 +15,7 @@ from labkit import Cluster, launch
 from labkit.course.experiments.capstone import GPU_MODEL, MODEL, dealt, draw
 from labkit.course.training.mistakes import MISTAKES
 from labkit.course.training.trainer import Trainer
-from labkit.emulate import MemoryBudget
+from labkit.machine.emulate import MemoryBudget
 
 MiB = 2**20
 

@@ -99,8 +99,8 @@ def test_a_plan_is_checked_when_it_is_made():
 
 
 def _warmed_and_unwarmed(config: GPTConfig) -> tuple[list[float], list[float]]:
-    from labkit import runtime
     from labkit.layer_profile import profile_layers
+    from labkit.machine import runtime
     from labkit.models import seeded_model, synthetic_batch
 
     model = seeded_model(config, 0, runtime.device())

@@ -57,7 +57,7 @@ def _dp_worker(config: GPTConfig, global_batch: int, micro_batch: int) -> dict:
         bucket_cap_mb=0.1,
     )
     single = dp_train(config, global_batch, global_batch // 2)  # as first written: one micro-step
-    budget = labkit.emulate.active_budget()
+    budget = labkit.machine.emulate.active_budget()
     search = max_micro_batch(config, precision="autocast", checkpointing=True, limit=64)
     return {
         "with": with_sync,

@@ -1,5 +1,5 @@
 """Lab 02 on a GPU, predicted without one: its steps replayed through labkit's model of CUDA's caching
-allocator (`labkit.emulate.allocator`), whose reserved bytes are what a GPU's memory cap
+allocator (`labkit.machine.emulate.allocator`), whose reserved bytes are what a GPU's memory cap
 (`set_per_process_memory_fraction`) limits.
 
 On a card the allocator reserves segments (2 MiB for blocks up to 1 MiB, 20 MiB for blocks up to 10 MiB), so
@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from labkit import Cluster, launch
 from labkit.course.experiments.oom_batch import Params, dp_train, fixed_micro_batch
-from labkit.emulate import MemoryBudget
-from labkit.machine import LARGE_SEGMENT_BYTES, Machine
+from labkit.machine.emulate import MemoryBudget
+from labkit.machine.machine import LARGE_SEGMENT_BYTES, Machine
 
 MiB = 2**20
 

@@ -60,7 +60,8 @@ def test_zero3_is_a_layout_of_data_parallelism_alone():
 
 
 def test_measure_rates_times_the_step_on_the_ranks_timer(monkeypatch):
-    # labkit.timer.clock, here a fake counter 10 ms per reading: forward + backward and Adam take a tick each
+    # labkit.machine.timer.clock, here a fake counter 10 ms per reading: forward + backward and Adam take
+    # a tick each
     ticks = iter(range(10**6))
     monkeypatch.setattr(parallelism_choice.timer, "clock", lambda: next(ticks) * 0.010)
     config = GPTConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=32, seq_len=8)

@@ -48,7 +48,7 @@ def worker_broken() -> RankSteps:
 
 @pytest.fixture(scope="module")
 def all_modes(tmp_path_factory):
-    from labkit.launcher import launch
+    from labkit.machine.launcher import launch
 
     trace_dir = tmp_path_factory.mktemp("traces")
     return launch(worker_all_modes, str(trace_dir), world_size=2, cluster="cpu", timeout_s=120)
@@ -119,7 +119,7 @@ def test_traces_show_overlap_only_for_the_fix(all_modes):
 
 
 def test_the_reference_check_catches_wrong_gradients():
-    from labkit.launcher import launch
+    from labkit.machine.launcher import launch
 
     s = summarize_steps(launch(worker_broken, world_size=2, cluster="cpu", timeout_s=120))
     assert s["overlapped"].max_abs_diff > 1e-5
@@ -135,15 +135,15 @@ def test_train_steps_validates_modes():
 
 
 def test_a_step_s_cpu_time_leaves_out_the_device_synchronisation(monkeypatch):
-    # On a GPU labkit.timer.clock() synchronizes, and cudaDeviceSynchronize spins the CPU: mocked here by a
-    # clock that burns 50 ms of CPU each time it is read and reads 50 ms later each time (a fake counter, not
-    # the wall clock). The step itself does nothing.
+    # On a GPU labkit.machine.timer.clock() synchronizes, and cudaDeviceSynchronize spins the CPU: mocked here
+    # by a clock that burns 50 ms of CPU each time it is read and reads 50 ms later each time (a fake counter,
+    # not the wall clock). The step itself does nothing.
     import time
 
     import torch.distributed as dist
 
-    from labkit import timer
     from labkit.course.experiments import unoverlapped_comms
+    from labkit.machine import timer
 
     readings = itertools.count()
 

@@ -25,7 +25,7 @@ from labkit.course.experiments.unprofiled_run import (
 )
 from labkit.course.training.loop import JobResult, train_jobs
 from labkit.course.training.mistakes import MISTAKES
-from labkit.machine import Machine
+from labkit.machine.machine import Machine
 from labkit.models import GPTConfig
 from labkit.trace import diagnose
 

@@ -61,7 +61,7 @@ def run_on_fake_cuda(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., tuple[dict[str, Any], str]]:
     """`run_on_fake_cuda(lab, gpus=2, **overrides)`: the solution notebook's real-GPU branch, run with papermill
-    on CI's fake CUDA machine of `gpus` GPUs (`labkit.emulate.fake_cuda`: torch.cuda's memory API on labkit's
+    on CI's fake CUDA machine of `gpus` GPUs (`labkit.machine.emulate.fake_cuda`: torch.cuda's memory API on labkit's
     caching-allocator model, tensors on the CPU, collectives on the virtual clock) with cluster "auto", its
     Params.TEST and `overrides`; (its records, the text it printed). A failing cell fails the test."""
 

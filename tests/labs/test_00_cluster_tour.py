@@ -12,7 +12,7 @@ from labkit.cluster import GPU, Cluster
 from labkit.course.forecast import bandwidth_forecast, lesson_shows
 from labkit.gpu_links import FAKE_CUDA_SUFFIX
 from labkit.links import Link
-from labkit.machine import Machine
+from labkit.machine.machine import Machine
 
 LAB = "00_cluster_tour"
 NODE = Cluster.resolve("sim:dgx-h100", 8)

@@ -47,7 +47,7 @@ def test_the_notebooks_gpu_branch_runs_out_then_fits_the_fixed_step_with_a_large
     of the one H200 run did not leave ("Tried to allocate 20.00 MiB"), and the estimate meets the measured
     peaks with the machine's for-each Adam counted."""
     from labkit.course.experiments.oom_batch import Params
-    from labkit.machine import LARGE_SEGMENT_BYTES
+    from labkit.machine.machine import LARGE_SEGMENT_BYTES
 
     # one GPU, as on the H200 the lab ran out on (Params.ranks_on(1): one rank, DDP still buckets)
     sizes = {"memory_mib": Params.GPU_SIZES["memory_mib"], "global_batch": Params.GPU_SEQUENCES_PER_RANK}
@@ -123,7 +123,7 @@ def test_the_right_answer_passes_the_check(mutations_run):
 def test_the_solution_notebook_on_the_gpus_there_are(gpu_notebook, check_common):
     """On real GPUs at the GPU sizes: the lesson, as on the fake CUDA machine (the step as written runs out,
     the fixed one fits with a large segment spare, the estimate within 10 % of the measured peaks)."""
-    from labkit.machine import LARGE_SEGMENT_BYTES
+    from labkit.machine.machine import LARGE_SEGMENT_BYTES
 
     rec = gpu_notebook(LAB, cluster="gpu")
     check_common(rec, LAB, torchrun=False, world_size=0)

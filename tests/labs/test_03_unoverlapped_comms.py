@@ -89,7 +89,7 @@ def test_labkit_run_on_a_simulated_node_says_where_it_ran_and_its_forecast_agree
 def test_the_gpu_branch_on_fake_cuda_overlaps_and_prints_the_verdict_its_numbers_call_for(
     run_on_fake_cuda, check_verdict
 ):
-    """The notebook's real-GPU branch on two fake H100s (labkit.emulate.fake_cuda: collectives on the emulated
+    """The notebook's real-GPU branch on two fake H100s (labkit.machine.emulate.fake_cuda: collectives on the emulated
     backend and its virtual clock, links scaled to this CPU): torch DDP runs, the parameters are checked against
     one process, the buckets overlap and shorten the step, and the GPU branch prints the verdict its measured
     numbers call for (labkit.course.forecast.verdict). Three blocks, three timed steps, one swept bucket size

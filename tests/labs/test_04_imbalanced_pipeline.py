@@ -55,7 +55,7 @@ FAKE_CUDA_SIZES = {"d_model": 128, "n_layers": 8, "vocab_size": 12288, "global_b
 def test_the_gpu_branch_on_fake_cuda_evens_the_stages_and_prints_the_verdict_its_numbers_call_for(
     run_on_fake_cuda, check_verdict
 ):
-    """The notebook's real-GPU branch on four fake H100s (labkit.emulate.fake_cuda), one stage each: the
+    """The notebook's real-GPU branch on four fake H100s (labkit.machine.emulate.fake_cuda), one stage each: the
     gradients are checked against one process, the balanced split evens the stages' times, 1F1B holds less
     than GPipe (read through torch.cuda's memory API), and the
     GPU branch prints the course's verdict on its numbers (labkit.course.forecast.verdict). after/before measured 0.69

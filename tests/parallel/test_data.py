@@ -207,7 +207,7 @@ def worker_naive() -> dict:
 
 @pytest.fixture(scope="module")
 def overlapped_results() -> list[dict]:
-    from labkit.launcher import launch
+    from labkit.machine.launcher import launch
 
     return launch(worker_overlapped, world_size=2, cluster="cpu", timeout_s=120)
 
@@ -261,7 +261,7 @@ def test_the_exercise_api_is_public(overlapped_results):
 
 
 def test_naive_allreduce_matches_single_process():
-    from labkit.launcher import launch
+    from labkit.machine.launcher import launch
 
     results = launch(worker_naive, world_size=2, cluster="cpu", timeout_s=60)
     ref = _reference("adam", with_unused=True)

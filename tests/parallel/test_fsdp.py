@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import Cluster, device_memory, launch, memory, planner
+from labkit import Cluster, launch, memory, planner
 from labkit.links import Link
+from labkit.machine import device_memory
 from labkit.models import GPTConfig, gpt_in, seeded_model, synthetic_batch
 from labkit.parallel.fsdp import full_gradients, fully_sharded
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labkit.machine.timer import Mark
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.pipeline import GPTStage, StageLog, even_split, layer_names, make_schedule, stage_of_rank
-from labkit.timer import Mark
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

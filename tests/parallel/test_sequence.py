@@ -92,7 +92,7 @@ MEMORY = GPTConfig(n_layers=4, d_model=256, n_heads=8, vocab_size=256, seq_len=1
 def _saved_bytes(sp: bool) -> int:
     """What the forward pass leaves alive for backward (the barrier first lets every collective finish, so
     that no buffer the emulated group still holds is counted)."""
-    from labkit import device_memory
+    from labkit.machine import device_memory
 
     model = tensor_parallel(seeded_model(MEMORY))
     if sp:

@@ -59,7 +59,7 @@ def worker() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    from labkit.launcher import launch
+    from labkit.machine.launcher import launch
 
     return launch(worker, world_size=2, cluster="cpu", timeout_s=120)
 

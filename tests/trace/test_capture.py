@@ -129,7 +129,7 @@ def test_capture_drops_kineto_start_stop_lines(capfd):
 
 
 def _traced_steps(path: str) -> str:
-    from labkit import runtime
+    from labkit.machine import runtime
     from labkit.models import GPTConfig, seeded_model, synthetic_batch
     from labkit.parallel.data import make_ddp
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import labkit.runtime
+import labkit.machine.runtime
 from labkit.trace import CommLog
 
 
@@ -24,8 +24,8 @@ def test_comm_log_records_issue_to_completion(monkeypatch):
     logged.wait()
     (span,) = log.spans()
     assert (span.name, span.start_ns, span.nbytes) == ("all_reduce x", 100, 64) and span.end_ns > 100
-    with monkeypatch.context() as m:  # a GPU rank, as labkit.runtime decides it
-        m.setattr(labkit.runtime, "on_gpu", lambda: True)
+    with monkeypatch.context() as m:  # a GPU rank, as labkit.machine.runtime decides it
+        m.setattr(labkit.machine.runtime, "on_gpu", lambda: True)
         assert log.track(FakeWork(), "cuda one") is None  # skipped: NCCL futures complete at enqueue
     log.add("a", 0, 1)
     log.add("b", 0, 1)

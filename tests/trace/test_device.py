@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from labkit.emulate.clock import VirtualClock
+from labkit.machine.emulate.clock import VirtualClock
 from labkit.trace import overlap, read_timeline, read_trace
 from labkit.trace.device import device_trace_path, write_device_trace
 

@@ -4,8 +4,8 @@
 `labkit.course.training.TrainingJob` with mistakes of `DEALT` planted by the knobs
 `labkit.course.training.MISTAKES` names), chosen by the seed so that every learner, or every exam sitting,
 gets a different job, and the memory of the job's (emulated) GPU, as the machine it runs on (a
-`labkit.machine.Machine`) shows them. `train(capstone, jobs, trace_dir)` measures jobs on every rank (launch
-it with `labkit.launch`): each job's memory inside the GPU's memory, its step time, its traces
+`labkit.machine.machine.Machine`) shows them. `train(capstone, jobs, trace_dir)` measures jobs on every rank
+(launch it with `labkit.launch`): each job's memory inside the GPU's memory, its step time, its traces
 (`labkit.course.training.loop.train_jobs`). `headline` is the capstone solved by measurement alone, as a
 script (on a simulated machine too: `--cluster sim:dgx-h100`)."""
 
@@ -28,7 +28,7 @@ from labkit.course.training.loop import JobResult, train_jobs
 from labkit.course.training.mistakes import MISTAKES, by_diagnosis, held_out_samples
 from labkit.course.training.step_time import step_ms, step_spread_ms, versus_clean
 from labkit.errors import RankError
-from labkit.machine import Machine
+from labkit.machine.machine import Machine
 from labkit.memory import estimate
 from labkit.models import GPTConfig
 from labkit.trace.diagnose import findings

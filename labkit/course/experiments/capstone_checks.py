@@ -26,7 +26,7 @@ from labkit.course.training.loop import JobResult
 from labkit.course.training.mistakes import MISTAKES, by_diagnosis, planted_by_knobs
 from labkit.course.training.step_time import step_spread_ms, versus_clean
 from labkit.errors import RankError
-from labkit.launcher import launch
+from labkit.machine.launcher import launch
 from labkit.trace.diagnose import Diagnosis, findings
 
 __all__ = ["SLOWER_OK", "CapstoneReport", "check_capstone"]

@@ -12,8 +12,8 @@ caching allocator's free memory in holes too small for the next request:
    segment is entirely free to give back: `torch.OutOfMemoryError`.
 
 On a GPU it runs on CUDA's allocator, capped at `limit_mib` above what the process already holds
-(`labkit.device_memory.memory_limit`); on the CPU, inside a `MemoryBudget` with the allocator model of
-`labkit.emulate.allocator`. The fixes are the allocator options of PYTORCH_CUDA_ALLOC_CONF
+(`labkit.machine.device_memory.memory_limit`); on the CPU, inside a `MemoryBudget` with the allocator model of
+`labkit.machine.emulate.allocator`. The fixes are the allocator options of PYTORCH_CUDA_ALLOC_CONF
 (`expandable_segments:True`, `max_split_size_mb`); `empty_cache()` is shown not to help. Each run
 returns the allocator's numbers (net of what the process held before) and its segments.
 """
@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from labkit import _torch_compat as compat
-from labkit import device_memory, runtime, validate
-from labkit.emulate import CachingAllocator, MemoryBudget
+from labkit import validate
+from labkit.machine import _torch_compat as compat
+from labkit.machine import device_memory, runtime
+from labkit.machine.emulate import CachingAllocator, MemoryBudget
 
 __all__ = ["ALLOCATOR_FIXES", "fragment"]
 

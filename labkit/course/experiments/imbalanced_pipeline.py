@@ -4,12 +4,13 @@
 plan (a split, a micro-batch count, a schedule) it builds the same seeded GPT everywhere, keeps this rank's
 stages of the split (`labkit.parallel.pipeline`), and runs `torch.distributed.pipelining` steps (GPipe, 1F1B
 or interleaved 1F1B) with SGD, the plans taking turns step by step; it records per step the step time, the
-time this rank waited, each forward and backward of each micro-batch (start and end on `labkit.timer.clock`:
-the virtual device clock on the emulated cluster), and the bytes it sent. It can check the first step's
-gradients and loss against one process running the whole batch, and measure the peak memory a step adds
-(activations in flight) on this rank. `summarize_pipeline` combines the ranks: step time, busy and idle time
-per rank, the bubble next to its formula, the imbalance, and the ideal pipeline's time for the same work (the
-limit). `layer_costs` measures what each layer costs (`labkit.layer_profile.profile_layers`) on one rank."""
+time this rank waited, each forward and backward of each micro-batch (start and end on
+`labkit.machine.timer.clock`: the virtual device clock on the emulated cluster), and the bytes it sent. It can
+check the first step's gradients and loss against one process running the whole batch, and measure the peak
+memory a step adds (activations in flight) on this rank. `summarize_pipeline` combines the ranks: step time,
+busy and idle time per rank, the bubble next to its formula, the imbalance, and the ideal pipeline's time for
+the same work (the limit). `layer_costs` measures what each layer costs
+(`labkit.layer_profile.profile_layers`) on one rank."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit import device_memory, runtime, timer, validate
+from labkit import validate
 from labkit.course.experiments.params import LabParams, ParamError, gpt_param, param, simulable_cluster
 from labkit.course.experiments.script import LabRecords, Meaning, Where, main
 from labkit.layer_profile import LayerProfile, profile_layers
+from labkit.machine import device_memory, runtime, timer
+from labkit.machine.timer import Mark
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.pipeline import (
     StageLog,
@@ -36,7 +39,6 @@ from labkit.parallel.pipeline import (
     pipeline_stages,
 )
 from labkit.pipeline_plan import SCHEDULES, balance, bubble_fraction, choose_micro_batches, ideal_step_time
-from labkit.timer import Mark
 
 __all__ = [
     "Params",
@@ -242,7 +244,7 @@ def pipeline_steps(
     cut into equal micro-batches. The plans take turns step by step, so a slow moment of the machine hits all
     of them rather than one. `check`: compare each plan's first step with one process on the whole batch.
     `measure_memory`: one more step per plan, measured for the peak memory it adds
-    (`labkit.device_memory.step_peak`). Returns this rank's result for each plan, in order.
+    (`labkit.machine.device_memory.step_peak`). Returns this rank's result for each plan, in order.
     """
     validate.positive_int("steps", steps, "pipeline_steps(..., steps=3)")
     validate.non_negative_int("warmup", warmup, "pipeline_steps(..., warmup=1)")

@@ -6,7 +6,7 @@ memory cap):
 * ``dp_train``: optimizer steps of one global batch each of the course's one training job
   (``labkit.course.training.Trainer``: Adam, torch DDP), the micro-batches run by ``accumulate(ddp, batches)``
   (``labkit.parallel.data.accumulate_with_no_sync`` by default), counting DDP's all-reduces and measuring the
-  peak of the last step (``labkit.device_memory.step_peak``);
+  peak of the last step (``labkit.machine.device_memory.step_peak``);
 * ``max_micro_batch``: ``labkit.find_max_batch`` for one rank's training step;
 * ``rank_micro_batches``: the data split the accumulation is checked against
 (``labkit.course.training.reference``
@@ -23,19 +23,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import device_memory, runtime, validate
+from labkit import validate
 from labkit.batch import accumulation_steps
 from labkit.course.experiments.params import LabParams, ParamError, gpt_param, param, simulable_cluster
 from labkit.course.experiments.script import LabRecords, Meaning, Where, main
 from labkit.course.training.job import TrainingJob
 from labkit.course.training.reference import rank_rows
 from labkit.course.training.trainer import Trainer
-from labkit.machine import Machine
+from labkit.machine import device_memory, runtime
+from labkit.machine.machine import Machine
+from labkit.machine.timer import Span
 from labkit.measured_memory import BatchSearch, find_max_batch, free_memory, measure
 from labkit.memory import MemoryBreakdown, estimate
 from labkit.models import PRESETS, GPTConfig, synthetic_batch
 from labkit.parallel.data import accumulate_with_no_sync
-from labkit.timer import Span
 
 __all__ = [
     "DPResult",
@@ -322,8 +323,9 @@ class Params(LabParams):
     # Replayed through labkit's model of that allocator (tests/experiments/test_oom_batch_gpu.py and the
     # notebook on CI's fake CUDA machine): the fixed step (autocast + checkpointing, micro-batch 32 x 2)
     # allocates 32 MiB and reserves 42, so a cap of 48 MiB (the one H200 run: "Tried to allocate 20.00 MiB")
-    # leaves 6 MiB; 64 MiB leaves a large segment's 20 (labkit.machine.LARGE_SEGMENT_BYTES), while the step as
-    # written (171 MiB allocated) still runs out. 64 sequences per rank so that the fix still accumulates.
+    # leaves 6 MiB; 64 MiB leaves a large segment's 20 (labkit.machine.machine.LARGE_SEGMENT_BYTES), while the
+    # step as written (171 MiB allocated) still runs out. 64 sequences per rank so that the fix still
+    # accumulates.
     GPU_SIZES = {"memory_mib": 64.0}
     GPU_SEQUENCES_PER_RANK = 64
     LAB = "02_oom_batch"

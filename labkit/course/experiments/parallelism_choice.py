@@ -6,8 +6,8 @@ the tp group (`labkit.parallel.tensor`), cuts it into pp stages run by 1F1B (`la
 keeps only its own layers, so the emulated memory budget sees what a GPU would hold. Each step a replica
 trains on its rows of the global batch in micro-batches (pipeline micro-batches, or gradient accumulation when
 pp == 1), then one flat all-reduce averages the gradients over the dp group (not overlapped: lab 03 shows how
-to hide it) and Adam steps. Every rank reports its step times on `labkit.timer` (the virtual clock on the
-emulated cluster), the bytes it put on each link class, and optionally its gradients and loss against one
+to hide it) and Adam steps. Every rank reports its step times on `labkit.machine.timer` (the virtual clock on
+the emulated cluster), the bytes it put on each link class, and optionally its gradients and loss against one
 process on the whole batch (`labkit.course.training.reference`). `summarize_layout` combines the ranks;
 `measure_rates` times this machine on the model for the planner (`labkit.planner.Rates`)."""
 
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from labkit import device_memory, runtime, timer
 from labkit.cluster import Cluster
 from labkit.course.experiments.params import SIMULATED_CLUSTERS, LabParams, ParamError, gpt_param, param
 from labkit.course.experiments.script import LabRecords, Meaning, Where, emulated_cluster, main
 from labkit.course.training.reference import Reference, rank_rows
 from labkit.layout import Layout
 from labkit.links import Link, Topology, bus_bandwidth_factor
-from labkit.machine import Machine
+from labkit.machine import device_memory, runtime, timer
+from labkit.machine.machine import Machine
 from labkit.memory import estimate
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.groups import RankGroups, make_groups
@@ -301,8 +301,8 @@ def summarize_layout(results: list[LayoutRankResult]) -> LayoutSummary:
 
 def measure_rates(config: GPTConfig, micro_batch: int, repeats: int = 3, seed: int = 0) -> Rates:
     """This rank's speed on the model: its FLOP/s in forward + backward at `micro_batch`, and Adam's seconds
-    per parameter, best of `repeats`, on the rank's timer (`labkit.timer.clock`: CPU time on the virtual
-    clock, the synchronised wall clock on a GPU). On a GPU also the host's time per operator
+    per parameter, best of `repeats`, on the rank's timer (`labkit.machine.timer.clock`: CPU time on the
+    virtual clock, the synchronised wall clock on a GPU). On a GPU also the host's time per operator
     (`labkit.planner.DISPATCH_S`, an assumption, not measured), the floor of a launch-bound layer: split over
     tp ranks, its 1/tp of the FLOPs still take every operator's dispatch."""
     dev = runtime.device()

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
 from labkit.cluster import PRESETS, Cluster
-from labkit.machine import Machine
+from labkit.machine.machine import Machine
 from labkit.models import GPTConfig
 from labkit.validate import ParamError
 
@@ -361,7 +361,8 @@ class LabParams:
         return dataclasses.replace(self, **sized)
 
     def machine(self) -> Machine:
-        """Where this lab runs: its `cluster` resolved once for its ranks (`labkit.machine.Machine`)."""
+        """Where this lab runs: its `cluster` resolved once for its ranks
+        (`labkit.machine.machine.Machine`)."""
         return Machine.resolve(self.cluster, max(1, self.ranks or 1))
 
     def config(self) -> GPTConfig:

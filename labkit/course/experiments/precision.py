@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from labkit import runtime, validate
+from labkit import validate
+from labkit.machine import runtime
 from labkit.measured_memory import free_memory, measure
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 
@@ -41,7 +42,7 @@ def _check(config: Any, batch_size: Any, seed: Any, device: Any) -> torch.device
     except (RuntimeError, TypeError):
         raise ValueError(
             f"device={device!r} must be a torch device; e.g. device='cpu', "
-            f"device='cuda:0', or None for labkit.runtime.device()"
+            f"device='cuda:0', or None for labkit.machine.runtime.device()"
         ) from None
 
 

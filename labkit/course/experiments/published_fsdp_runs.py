@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit import device_memory, emulate, timer
 from labkit.cluster import Cluster
 from labkit.course.experiments.published_runs import carried_to_layers, step_parts_ms
+from labkit.machine import device_memory, emulate, timer
 from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.fsdp import fully_sharded
 
@@ -114,7 +114,8 @@ class SimulatedFSDPRun:
     optimizer_ms: float
     peak_gib: float
     label: str
-    parts_ms: dict[str, float]  # a later micro-batch's operators by kind (labkit.emulate.OpTimes), and "comm"
+    # a later micro-batch's operators by kind (labkit.machine.emulate.OpTimes), and "comm"
+    parts_ms: dict[str, float]
 
     @property
     def iteration_ms(self) -> float:

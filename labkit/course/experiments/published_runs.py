@@ -33,10 +33,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from labkit import device_memory, emulate, launcher, timer
 from labkit.cluster import Cluster
 from labkit.layout import Layout
 from labkit.links import collective_time_s
+from labkit.machine import device_memory, emulate, launcher, timer
 from labkit.measured_memory import free_memory
 from labkit.models import GPTConfig, gpt_in
 from labkit.parallel.tensor import tensor_parallel
@@ -117,7 +117,8 @@ class SimulatedRun:
     optimizer_ms: float
     peak_gib: float
     label: str
-    parts_ms: dict[str, float]  # a later micro-batch's operators by kind (labkit.emulate.OpTimes), and "tp"
+    # a later micro-batch's operators by kind (labkit.machine.emulate.OpTimes), and "tp"
+    parts_ms: dict[str, float]
 
     @property
     def micro_batches(self) -> int:

@@ -11,7 +11,7 @@ writes (before, after, limit, unit, meaning, metric and the extras that say why)
 `main(__spec__.name)`, which runs `run_lab`.
 
 Every rank runs the script; every `labkit.launch` inside gathers the ranks' results onto every rank
-(`labkit.torchrun`), so every rank computes the same records from them, and rank 0 alone prints their
+(`labkit.machine.torchrun`), so every rank computes the same records from them, and rank 0 alone prints their
 headline (`summary`: the metric, then before, after and limit to 4 significant digits) and writes them all
 to `--out`; `--print-records` also prints each as a `labkit-record` line, as `labkit.record` does outside a
 notebook. `--set key value` overrides a parameter (JSON values; an unknown key is refused with the list;
@@ -39,11 +39,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from labkit import torchrun
 from labkit.cluster import Cluster
 from labkit.course.experiments.params import LabParams, ParamError
 from labkit.course.records import record
 from labkit.errors import RankError
+from labkit.machine import torchrun
 
 __all__ = [
     "LabRecords",
@@ -81,7 +81,7 @@ class Where:
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """`labkit.launch(fn, *args, world_size=..., cluster=..., **kwargs)` on these ranks (`cluster=` in
         `kwargs` replaces this one: the same ranks with another memory budget; `world_size=` runs fewer)."""
-        from labkit.launcher import launch
+        from labkit.machine.launcher import launch
 
         kwargs.setdefault("cluster", self.cluster)
         kwargs.setdefault("world_size", self.world_size)
@@ -222,7 +222,7 @@ def _refused(lab: str, err: Exception) -> int:
 
 def main(module: str) -> NoReturn:
     """`python -m` / `torchrun -m labkit.course.experiments.<lab>`: run the lab (`run_lab`) and exit with its
-    status; a torchrun rank leaves without the interpreter's teardown (`labkit.torchrun.leave`)."""
+    status; a torchrun rank leaves without the interpreter's teardown (`labkit.machine.torchrun.leave`)."""
     status = run_lab(module)
     if torchrun.under_torchrun():
         torchrun.leave(status)

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit import emulate, runtime, timer, validate
+from labkit import validate
 from labkit.course.experiments.params import LabParams, gpt_param, param, simulable_cluster
 from labkit.course.experiments.script import LabRecords, Meaning, Where, main
 from labkit.course.training.job import TrainingJob
 from labkit.course.training.reference import max_abs_diff, reference_backward
 from labkit.course.training.trainer import Trainer
+from labkit.machine import emulate, runtime, timer
 from labkit.models import GPTConfig, seeded_model
 from labkit.parallel.data import OverlappedDDP
 from labkit.trace.capture import capture
@@ -67,7 +68,7 @@ MODES: dict[str, Mode] = {
 
 @dataclass
 class ModeSteps:
-    """One mode's timed steps on one rank (ms on `labkit.timer.clock`, after the warm-up)."""
+    """One mode's timed steps on one rank (ms on `labkit.machine.timer.clock`, after the warm-up)."""
 
     steps_ms: list[float] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)  # the whole process's CPU time (all threads) per step
@@ -127,10 +128,10 @@ def _one_step(mode: Mode, trainer: Trainer) -> None:
 
 
 def _timed(mode: Mode, trainer: Trainer) -> tuple[float, float, float, float | None]:
-    """(ms, process CPU ms, start, ms waiting for collectives or None) of one step on `labkit.timer.clock`,
-    after a barrier. The CPU time is the host's work on the step only: on a GPU `timer.clock` synchronizes
-    the device, and that wait spins the CPU (CUDA's default), so it is read after the first reading of the
-    clock and before the second."""
+    """(ms, process CPU ms, start, ms waiting for collectives or None) of one step on
+    `labkit.machine.timer.clock`, after a barrier. The CPU time is the host's work on the step only: on a GPU
+    `timer.clock` synchronizes the device, and that wait spins the CPU (CUDA's default), so it is read after
+    the first reading of the clock and before the second."""
     dist.barrier(group=trainer.process_group)
     w0, t0 = timer.waited(), timer.clock()
     cpu0 = time.process_time()

@@ -23,7 +23,7 @@ from labkit.course.training.job import TrainingJob
 from labkit.course.training.loop import JobResult, train_jobs
 from labkit.course.training.mistakes import MISTAKES, by_diagnosis
 from labkit.course.training.step_time import step_ms, step_spread_ms, versus_clean
-from labkit.machine import Machine
+from labkit.machine.machine import Machine
 from labkit.trace.diagnose import diagnose
 
 __all__ = [

@@ -16,9 +16,9 @@ import statistics
 import torch
 from torch import nn
 
-from labkit import _torch_compat as compat
-from labkit import timer
 from labkit.course.training.reference import rank_rows
+from labkit.machine import _torch_compat as compat
+from labkit.machine import timer
 from labkit.models import GPTConfig, synthetic_batch
 
 __all__ = ["RankSamples", "tokenizer_passes"]
@@ -72,10 +72,10 @@ def tokenizer_passes(
     model: nn.Module, config: GPTConfig, samples: int, share: float, device: torch.device
 ) -> int:
     """Tokenizer passes per sample that cost about `share` of a forward and backward of `samples` samples,
-    both on this rank's timer (`labkit.timer.clock`). The forward and backward timed is the model's second:
-    on a GPU the first loads each kernel (CUDA's lazy module loading) and picks cuBLAS algorithms, many times
-    a warm step, which would size the tokenizer for a step the job never runs. The median of three timed
-    ones: a single one varied by a fifth between calls on a busy 2-core machine."""
+    both on this rank's timer (`labkit.machine.timer.clock`). The forward and backward timed is the model's
+    second: on a GPU the first loads each kernel (CUDA's lazy module loading) and picks cuBLAS algorithms,
+    many times a warm step, which would size the tokenizer for a step the job never runs. The median of three
+    timed ones: a single one varied by a fifth between calls on a busy 2-core machine."""
     x, y = synthetic_batch(config, samples, device=device)
     model(x, y).backward()  # warm, untimed
     model.zero_grad(set_to_none=True)

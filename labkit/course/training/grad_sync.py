@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import emulate, runtime
+from labkit.machine import emulate, runtime
 from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive, make_ddp
 from labkit.trace.commlog import CommLog
 

@@ -2,18 +2,20 @@
 
 Launch it with `labkit.launch` (every rank calls it). For each job, one after the other:
 
-1. with `memory_mib`: the job alone inside that much device memory (`labkit.device_memory.memory_limit`: the
+1. with `memory_mib`: the job alone inside that much device memory
+(`labkit.machine.device_memory.memory_limit`: the
    emulated budget, or a GPU cap above the warm baseline), two optimizer steps: an OOM there is the job's OOM,
    and the peak of the second (Adam's states and DDP's buckets exist by then) is the job's memory. The job is
    then freed, so the next one is measured alone;
 2. `warmup + steps` steps of every job, taking turns step by step (a slow moment of the machine hits them all
-   alike), each after a barrier and timed on the rank's timer (`labkit.timer.Span`);
+   alike), each after a barrier and timed on the rank's timer (`labkit.machine.timer.Span`);
 3. `trace_steps` more under `labkit.trace.capture` (after one profiled warm-up step, so that the traced steps
    are in the steady state: a fast rank already waits for a straggler's previous step), one folder per job.
 
-`same_core`: on the emulated cluster every rank shares one core (`labkit.runtime.share_one_core`), so that a
-slow core is not taken for a straggler, at twice the wall time. Each emulated rank first pages its heap in
-(`labkit.runtime.warm_heap`), so that a rank's first touch of fresh memory is not taken for one either.
+`same_core`: on the emulated cluster every rank shares one core (`labkit.machine.runtime.share_one_core`), so
+that a slow core is not taken for a straggler, at twice the wall time. Each emulated rank first pages its heap
+in (`labkit.machine.runtime.warm_heap`), so that a rank's first touch of fresh memory is not taken for one
+either.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from labkit import device_memory, runtime, validate
+from labkit import validate
 from labkit.course.training.job import TrainingJob, job_name
 from labkit.course.training.trainer import Trainer
+from labkit.machine import device_memory, runtime
+from labkit.machine.timer import Span
 from labkit.measured_memory import free_memory
 from labkit.models import GPTConfig
-from labkit.timer import Span
 from labkit.trace.capture import capture
 
 __all__ = ["JobResult", "job_memory_mib", "train_jobs"]

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from labkit import _torch_compat as compat
-from labkit import runtime
 from labkit.course.training.data import RankSamples, tokenizer_passes
 from labkit.course.training.grad_sync import make_grad_sync
 from labkit.course.training.job import TrainingJob
+from labkit.machine import _torch_compat as compat
+from labkit.machine import runtime
 from labkit.models import GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.data import OverlappedDDP
 from labkit.trace.commlog import CommLog

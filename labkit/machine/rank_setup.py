@@ -4,11 +4,11 @@
 * On the emulated cluster: the "labkit_emulated" backend (gloo under the α-β link model); on the virtual
   clock one intra-op thread per rank, the rank pinned to a core and malloc keeping freed memory, as CUDA's
   caching allocator does (each measured below).
-* On GPUs: the rank's device set, its warm baseline recorded (`labkit.device_memory.record_baseline`,
+* On GPUs: the rank's device set, its warm baseline recorded (`labkit.machine.device_memory.record_baseline`,
   capped or not), then a memory cap above it when the cluster has `memory_gib`; NCCL bound to the device.
   Under torchrun the group is "cpu:gloo,cuda:nccl" (CPU tensors over gloo, CUDA tensors over NCCL) after
   checking that the node has a GPU for every local rank, with NCCL's flight recorder dumping into
-  `./nccl_dumps/` (`labkit.flight_recorder`).
+  `./nccl_dumps/` (`labkit.machine.flight_recorder`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from labkit import device_memory, emulate, flight_recorder, runtime
 from labkit.cluster import Cluster
-from labkit.emulate import fake_cuda
+from labkit.machine import device_memory, emulate, flight_recorder, runtime
+from labkit.machine.emulate import fake_cuda
 
 __all__ = ["init_launched_rank", "init_torchrun_rank"]
 
@@ -81,7 +81,7 @@ def init_torchrun_rank(timeout: timedelta, memory_gib: float | None = None) -> b
         )
     dev = _gpu_device(memory_gib)
     # The flight recorder, read at the group's creation: a hang leaves dumps (python -m
-    # labkit.flight_recorder)
+    # labkit.machine.flight_recorder)
     env = flight_recorder.env_for(Path.cwd() / "nccl_dumps")
     if flight_recorder.dump_prefix(dict(os.environ)) is None:
         (Path.cwd() / "nccl_dumps").mkdir(

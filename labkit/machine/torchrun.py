@@ -8,14 +8,14 @@ torchrun (`torch.distributed.run`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
   checking that the node has a GPU for every local rank;
 * a `cluster=` it cannot honour is refused: the emulated cluster (links, virtual clock, memory budget)
   exists only for ranks that `launch` starts itself; a GPU cluster's `memory_gib` is applied as a memory
-  fraction above the warm process's baseline (`labkit.rank_setup`), as `launch` does;
+  fraction above the warm process's baseline (`labkit.machine.rank_setup`), as `launch` does;
 * every rank reports its outcome (its result or its error) through the rendezvous store, not a collective, so
   every rank that can raises one `RankError` naming the first rank that raised within seconds; a peer
   blocked in an NCCL operation the failed rank never issued cannot hold the report up until the watchdog
   (the failed rank exits, and torchrun's agent stops the rest);
 * NCCL's flight recorder dumps into `./nccl_dumps/` when a collective times out (unless its variables are
-  set): `python -m labkit.flight_recorder nccl_dumps --world-size N` names the operation and the rank
-  afterwards;
+  set): `python -m labkit.machine.flight_recorder nccl_dumps --world-size N` names the operation and the
+  rank afterwards;
 * the group made for the first launch stays for the next ones (destroyed at exit);
 * a process that another launcher started as one of several ranks (srun, mpirun) without torchrun is refused
   with the fix (`external_ranks`): launching here would start a whole job on this node alone.
@@ -35,9 +35,9 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from labkit import _torch_compat, rank_setup
 from labkit.errors import RankError
-from labkit.worker import to_cpu
+from labkit.machine import _torch_compat, rank_setup
+from labkit.machine.worker import to_cpu
 
 __all__ = ["check_cluster", "external_ranks", "leave", "run", "under_torchrun"]
 
@@ -125,7 +125,7 @@ def run(
         raise RankError(
             f"rank(s) {missing} did not return from this launch within {timeout_s:g} s (timeout_s): "
             "blocked in a collective, or still computing. NCCL's flight recorder names the collective "
-            "(python -m labkit.flight_recorder nccl_dumps --world-size N)",
+            "(python -m labkit.machine.flight_recorder nccl_dumps --world-size N)",
             rank=missing[0],
             kind="hung",
         ) from error
@@ -171,7 +171,8 @@ def leave(status: int) -> NoReturn:
     """End this torchrun rank with `status`: destroy its group, flush its output, and exit without the
     interpreter's teardown. Left to teardown, gloo's threads and sockets sometimes outlived their objects and
     aborted the process ("terminate called without an active exception", SIGABRT: 1 of 8 runs of lab 02's
-    script on 4 CPU ranks, measured), as they did for launched ranks (`labkit.worker` leaves the same way)."""
+    script on 4 CPU ranks, measured), as they did for launched ranks (`labkit.machine.worker` leaves the same
+    way)."""
     try:
         _destroy()
     finally:

@@ -19,18 +19,18 @@ How the failure cases are handled:
   and traceback (the original exception is the `__cause__`).
 * A rank that dies (exit code, signal) is named with its code or signal.
 * A collective that never completes (one rank skipped it, or the shapes differ) ends in
-  gloo's timeout; each emulated rank leaves a record of its collectives (`labkit.emulate.record`),
-  on NCCL the flight recorder's dump (`labkit.flight_recorder`), and the error names the operation
+  gloo's timeout; each emulated rank leaves a record of its collectives (`labkit.machine.emulate.record`),
+  on NCCL the flight recorder's dump (`labkit.machine.flight_recorder`), and the error names the operation
   and the rank that is missing or mismatched. If the other
   ranks have already ended, the stragglers get `timeout_s` plus a few seconds, then are stopped.
 * Ctrl-C / a kernel interrupt kills every rank before the exception propagates. Workers
   also die with the parent, even on SIGKILL: PR_SET_PDEATHSIG plus a watchdog thread.
 
 Under `torchrun` (RANK, WORLD_SIZE and the rendezvous variables are set), `launch` runs `fn` in
-the current process instead (`labkit.torchrun`), so the same experiment scales to several nodes with
+the current process instead (`labkit.machine.torchrun`), so the same experiment scales to several nodes with
 torchrun's rendezvous.
 
-What each rank runs, from start to exit, is `labkit.worker`; inside a rank, `labkit.runtime`.
+What each rank runs, from start to exit, is `labkit.machine.worker`; inside a rank, `labkit.machine.runtime`.
 """
 
 from __future__ import annotations
@@ -56,17 +56,24 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit import emulate, flight_recorder, torchrun, validate, worker
+from labkit import validate
 from labkit.cluster import Cluster
-from labkit.emulate import diagnose_hang
 from labkit.errors import RankError
+from labkit.machine import emulate, flight_recorder, torchrun, worker
+from labkit.machine.emulate import diagnose_hang
 
 __all__ = ["RankError", "launch"]
 # torch.distributed.pipelining pulls in dynamo: ~1.5 s of CPU per rank, 8 ranks on 2 cores ~6 s per launch.
 # A rank that unpickles a lab's function imports its module, and so labkit's layers and FSDP: 226 ms per rank
 # for labs 01 and 04's two, 49 ms with these preloaded (py-spy: a tenth of lab 01's test was ranks importing).
 # Preloaded only on a CPU build, where nothing can touch CUDA before the fork.
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit.launcher", "labkit.worker"] + (
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "cloudpickle",
+    "labkit.machine.launcher",
+    "labkit.machine.worker",
+] + (
     [
         "torch.distributed.pipelining",
         "torch.distributed.fsdp",

@@ -1,10 +1,11 @@
 """This rank's timer: `clock()` readings, and `Span` for the time of one span of its work.
 
 Every duration the course reports is taken here. What the timer reads depends on where the rank runs
-(`labkit.runtime`):
+(`labkit.machine.runtime`):
 
-* on the emulated cluster (clock="virtual"), the rank's virtual device clock (`labkit.emulate.clock`): its
-  main thread's CPU time plus the modelled waits for collectives, the same on a busy machine;
+* on the emulated cluster (clock="virtual"), the rank's virtual device clock
+  (`labkit.machine.emulate.clock`): its main thread's CPU time plus the modelled waits for collectives, the
+  same on a busy machine;
 * on a GPU, the wall clock after the device has finished its queued work (kernels run asynchronously);
 * elsewhere (a torchrun rank on CPUs, a plain process, the emulated cluster with clock="wall") the wall clock.
 
@@ -20,9 +21,19 @@ from types import TracebackType
 
 import torch
 
-from labkit import _torch_compat, emulate, runtime
+from labkit.machine import _torch_compat, emulate, runtime
+from labkit.machine.emulate.clock import VirtualClock
 
-__all__ = ["CollectivesSpan", "Mark", "Span", "clock", "occupy_device", "waited"]
+__all__ = [
+    "CollectivesSpan",
+    "Mark",
+    "Span",
+    "VirtualClock",
+    "clock",
+    "occupy_device",
+    "virtual_clock",
+    "waited",
+]
 
 
 def clock() -> float:
@@ -31,6 +42,12 @@ def clock() -> float:
     if runtime.on_virtual_clock():
         return emulate.rank_clock().now()
     return time.perf_counter()
+
+
+def virtual_clock() -> VirtualClock | None:
+    """This rank's virtual clock, whose timeline is the emulated (or simulated) device's; None on a GPU and
+    elsewhere, where the device keeps its own timeline (the profiler's CUDA kernels)."""
+    return emulate.rank_clock() if runtime.on_virtual_clock() else None
 
 
 def waited() -> float | None:

@@ -5,8 +5,9 @@ One home for every memory number the labs print, in both worlds:
 * on a GPU, CUDA's caching allocator (`torch.cuda.memory_allocated` and friends), net of the rank's *warm
   baseline*: what the process holds once cuBLAS has made its handles and workspaces for the main thread and
   for autograd's device thread (32 MiB each on Hopper, from the same allocator). Every GPU rank records it at
-  start (`record_baseline`, called by `labkit.rank_setup`), capped or not, so no peak counts the workspaces;
-* on the emulated cluster, the rank's `labkit.emulate.MemoryBudget` (live tensor bytes);
+  start (`record_baseline`, called by `labkit.machine.rank_setup`), capped or not, so no peak counts
+  the workspaces;
+* on the emulated cluster, the rank's `labkit.machine.emulate.MemoryBudget` (live tensor bytes);
 * elsewhere (a CPU rank without a budget) nothing counts memory until `tracked()` opens a budget that only
   counts.
 
@@ -26,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from labkit import emulate, runtime
+from labkit.machine import emulate, runtime
 
 __all__ = [
     "StepPeak",
@@ -102,8 +103,8 @@ def memory_limit(
     On a GPU: cached blocks are returned first (they would count against the cap), what stays reserved (the
     warm baseline, tensors still alive) is kept outside, the cap is set `nbytes` above it and lifted
     afterwards. On the CPU: a `MemoryBudget` of `nbytes`, which counts the tensors made inside it
-    (`budget.track(...)` adds older ones). `device`: this rank's (`labkit.runtime.device()`) unless given.
-    Yields the budget, or None on a GPU."""
+    (`budget.track(...)` adds older ones). `device`: this rank's (`labkit.machine.runtime.device()`) unless
+    given. Yields the budget, or None on a GPU."""
     if _cuda(device):
         dev = device if device is not None else runtime.device()
         torch.cuda.synchronize(dev)

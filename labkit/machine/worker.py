@@ -2,7 +2,7 @@
 
 `main` ties the rank to its parent (it dies with it, even on SIGKILL), sends its output to
 a per-rank log the parent prints in rank order, sets the rank's environment as torchrun
-would, initialises its process group (`labkit.runtime`), runs the user's function (under
+would, initialises its process group (`labkit.machine.runtime`), runs the user's function (under
 the emulated memory budget when the cluster has one), writes the result or the exception
 to a file, and leaves with `os._exit`, without interpreter teardown. The parent side, its
 supervision and its errors, is `labkit.launch`.
@@ -28,9 +28,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit import _torch_compat as compat
-from labkit import emulate, rank_setup, runtime
 from labkit.cluster import Cluster
+from labkit.machine import _torch_compat as compat
+from labkit.machine import emulate, rank_setup, runtime
 
 __all__ = ["main", "to_cpu"]
 

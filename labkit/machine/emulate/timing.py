@@ -27,8 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from labkit import _torch_compat as compat
-from labkit.emulate.clock import VirtualClock
+from labkit.machine import _torch_compat as compat
+from labkit.machine.emulate.clock import VirtualClock
 
 __all__ = ["VirtualTiming", "WallTiming", "called_by_ddp_reducer", "caller_frame"]
 

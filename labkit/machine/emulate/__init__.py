@@ -10,13 +10,13 @@
 * `simulated_device.py`: `SimulatedDevice`, a simulated machine's GPU: each operator on tensors
   without storage timed on the described GPU (`labkit.op_time`), memory held to the card's.
 
-`labkit.rank_setup` sets these up on each rank; `labkit.launch` reads the records.
+`labkit.machine.rank_setup` sets these up on each rank; `labkit.launch` reads the records.
 """
 
-from labkit.emulate.allocator import CachingAllocator
-from labkit.emulate.budget import MemoryBudget, active_budget
-from labkit.emulate.clock import CLOCK_ENV, VirtualClock, rank_clock
-from labkit.emulate.process_group import (
+from labkit.machine.emulate.allocator import CachingAllocator
+from labkit.machine.emulate.budget import MemoryBudget, active_budget
+from labkit.machine.emulate.clock import CLOCK_ENV, VirtualClock, rank_clock
+from labkit.machine.emulate.process_group import (
     BACKEND_NAME,
     RECORD_DIR_ENV,
     TOPOLOGY_ENV,
@@ -27,8 +27,8 @@ from labkit.emulate.process_group import (
     topology_to_env,
     wait_at_end_of_backward,
 )
-from labkit.emulate.record import CollectiveRecord, diagnose_hang, read_collective_records
-from labkit.emulate.simulated_device import OpTimes, SimulatedDevice, active_simulated_device
+from labkit.machine.emulate.record import CollectiveRecord, diagnose_hang, read_collective_records
+from labkit.machine.emulate.simulated_device import OpTimes, SimulatedDevice, active_simulated_device
 
 __all__ = [
     "BACKEND_NAME",

@@ -1,5 +1,5 @@
-"""NCCL's flight recorder, read as the collective records of `labkit.emulate.record`: a hang on GPUs is named
-too.
+"""NCCL's flight recorder, read as the collective records of `labkit.machine.emulate.record`: a hang on GPUs
+is named too.
 
 On the emulated cluster every rank keeps a record of its collectives, and `diagnose_hang` says which operation
 never completed and which rank skipped or mismatched it. On NCCL the same facts come from PyTorch's flight
@@ -21,10 +21,11 @@ ProcessGroupNCCL, see "PYTORCH ProcessGroupNCCL Environment Variables" and the F
 first operation not completed (with its group), the operations of that group and kind counted, the last one,
 and the status.
 
-Under torchrun nothing is left to read the dumps once the watchdog has ended the ranks, so `labkit.torchrun`
-points them at `./nccl_dumps/` (unless the variables are set already) and, after the job, a person runs
+Under torchrun nothing is left to read the dumps once the watchdog has ended the ranks, so
+`labkit.machine.torchrun` points them at `./nccl_dumps/` (unless the variables are set already) and, after the
+job, a person runs
 
-    python -m labkit.flight_recorder nccl_dumps --world-size 16
+    python -m labkit.machine.flight_recorder nccl_dumps --world-size 16
 
 which prints the same diagnosis `launch` gives (`main`).
 """
@@ -146,12 +147,12 @@ def read_collective_records(run_dir: str | Path, world_size: int) -> dict[int, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m labkit.flight_recorder DIR --world-size N`: which collective hung, on which rank, and
-    why."""
-    from labkit.emulate import diagnose_hang
+    """`python -m labkit.machine.flight_recorder DIR --world-size N`: which collective hung, on which rank,
+    and why."""
+    from labkit.machine.emulate import diagnose_hang
 
     p = argparse.ArgumentParser(
-        prog="python -m labkit.flight_recorder",
+        prog="python -m labkit.machine.flight_recorder",
         description="Read NCCL flight-recorder dumps and say which collective hung.",
     )
     p.add_argument("dir", help=f"the folder of the dumps ({DUMP_PREFIX}<rank> files)")

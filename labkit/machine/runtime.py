@@ -2,8 +2,8 @@
 
 This is the one place that decides whether a rank computes on a real GPU or on the emulated cluster
 (`on_gpu`); every other module asks it instead of looking at backends, tensors or CUDA state. Its
-neighbours: `labkit.rank_setup` makes the rank's process group, `labkit.timer` times it and
-`labkit.device_memory` measures its memory.
+neighbours: `labkit.machine.rank_setup` makes the rank's process group, `labkit.machine.timer` times it and
+`labkit.machine.device_memory` measures its memory.
 
 Outside `labkit.launch` (a plain script, torchrun) a rank is on a GPU when CUDA is there.
 """
@@ -17,10 +17,10 @@ import os
 
 import torch
 
-from labkit import _torch_compat as compat
-from labkit import emulate
 from labkit.cluster import Cluster
-from labkit.emulate import fake_cuda
+from labkit.machine import _torch_compat as compat
+from labkit.machine import emulate
+from labkit.machine.emulate import fake_cuda
 
 __all__ = [
     "CLUSTER_ENV",

@@ -8,8 +8,8 @@ a torch upgrade that breaks one fails a test with that name instead of somewhere
 inside a lab. The rest of the package imports the wrappers below, never `torch._*`,
 `torch.utils._*` or `torch.distributed._*` directly.
 
-Neighbours: `labkit.emulate` (dispatch mode, process-group hooks, the group registry),
-`labkit.measured_memory` (MemTracker, FakeTensor), `labkit.launcher` (pytree).
+Neighbours: `labkit.machine.emulate` (dispatch mode, process-group hooks, the group registry),
+`labkit.measured_memory` (MemTracker, FakeTensor), `labkit.machine.launcher` (pytree).
 """
 
 from __future__ import annotations

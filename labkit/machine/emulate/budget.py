@@ -3,7 +3,7 @@
 `MemoryBudget` is a TorchDispatchMode that counts the bytes of live tensor storages on a
 rank and raises `torch.OutOfMemoryError` when an allocation would go over the budget, with
 a message shaped like the CUDA caching allocator's. `labkit.launch` turns it on for a
-cluster made with `Cluster.emulated(memory_gib=...)`; `labkit.device_memory.memory_allocated`
+cluster made with `Cluster.emulated(memory_gib=...)`; `labkit.machine.device_memory.memory_allocated`
 and friends read it. By default it counts tensor bytes only: no allocator rounding or segments.
 With `allocator="caching"` (or "expandable", or a `CachingAllocator` of `allocator.py`) every
 counted storage is also malloc'ed from that model of CUDA's caching allocator, whose OOM (with
@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from labkit import _torch_compat as compat
 from labkit import validate
-from labkit.emulate import cpu_matmul
-from labkit.emulate.allocator import CachingAllocator
-from labkit.emulate.clock import rank_clock
-from labkit.emulate.simulated_device import SimulatedDevice, storage_resized
+from labkit.machine import _torch_compat as compat
+from labkit.machine.emulate import cpu_matmul
+from labkit.machine.emulate.allocator import CachingAllocator
+from labkit.machine.emulate.clock import rank_clock
+from labkit.machine.emulate.simulated_device import SimulatedDevice, storage_resized
 
 __all__ = ["MemoryBudget", "active_budget"]
 

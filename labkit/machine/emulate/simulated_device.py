@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from labkit import _torch_compat as compat
 from labkit import op_time
-from labkit.emulate.clock import VirtualClock
+from labkit.machine import _torch_compat as compat
+from labkit.machine.emulate.clock import VirtualClock
 from labkit.op_time import GpuSpec
 
 __all__ = ["OpTimes", "SimulatedDevice", "active_simulated_device", "storage_resized"]
@@ -260,7 +260,7 @@ class SimulatedDevice(compat.TorchDispatchMode):
 
     @contextlib.contextmanager
     def limited(self, nbytes: int) -> Iterator[SimulatedDevice]:
-        """Inside, `nbytes` beyond what is allocated now (`labkit.device_memory.memory_limit`)."""
+        """Inside, `nbytes` beyond what is allocated now (`labkit.machine.device_memory.memory_limit`)."""
         saved, self.limit_bytes = self.limit_bytes, min(self.limit_bytes, self.allocated + int(nbytes))
         try:
             yield self

@@ -6,7 +6,7 @@ down. Labs and notebooks ask it what differs between machines; they do not test 
     print(f"{step_ms:.1f} ms ({m.label})")
 
 Three kinds stand behind one value (`kind`): real GPUs ("gpu", NCCL, CUDA's caching allocator; CI's fake
-CUDA machine, `labkit.emulate.fake_cuda`, is one too, with tensors on the CPU), the emulated cluster
+CUDA machine, `labkit.machine.emulate.fake_cuda`, is one too, with tensors on the CPU), the emulated cluster
 ("emulated": CPU processes, gloo under the link model, the virtual clock) and a simulated described machine
 ("simulated": FakeTensors, each operator timed on the described GPU). A script's ranks that torchrun started
 are described by `labkit.course.experiments.script.Where` instead. What each answers:
@@ -23,8 +23,8 @@ are described by `labkit.course.experiments.script.Where` instead. What each ans
   `grad_sync_extra_bytes` (what its gradient sync holds beside the gradients), `torch_ddp`;
 * records: `records()`, the keys every lab writes about where it ran.
 
-Inside a rank, `labkit.runtime` (device, clock, optimizer options) and `labkit.device_memory` answer for the
-rank's own process; this value is the notebook's and the driver's.
+Inside a rank, `labkit.machine.runtime` (device, clock, optimizer options) and `labkit.machine.device_memory`
+answer for the rank's own process; this value is the notebook's and the driver's.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class Machine:
     @property
     def optimizer_foreach(self) -> bool:
         """Do its optimizers take torch's for-each implementation (the default for CUDA tensors, which a
-        simulated GPU takes too: `labkit.runtime.optimizer_options`)?"""
+        simulated GPU takes too: `labkit.machine.runtime.optimizer_options`)?"""
         return self.cluster.kind in ("gpu", "simulated")
 
     @property

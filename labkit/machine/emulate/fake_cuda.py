@@ -3,21 +3,22 @@
 CI has no GPU, so the GPU branch of every notebook and driver would never run there. With `$LABKIT_FAKE_CUDA`
 set (the number of GPUs, e.g. "8"), `import labkit` calls `install()`, which makes `torch.cuda` say that this
 machine has that many H100-sized GPUs and serves its memory API from labkit's model of CUDA's caching
-allocator (`labkit.emulate.allocator`, CUDA's rounding and its 2 MiB and 20 MiB segments):
+allocator (`labkit.machine.emulate.allocator`, CUDA's rounding and its 2 MiB and 20 MiB segments):
 
 * `is_available`, `device_count`, `get_device_properties`, `get_device_name`, `set_device`, `synchronize`,
   `is_initialized`;
 * `memory_allocated`, `max_memory_allocated`, `memory_reserved`, `max_memory_reserved`,
   `reset_peak_memory_stats`, `memory_stats`, `memory_snapshot`, `empty_cache`, `mem_get_info`,
   `set_per_process_memory_fraction` (a cap on reserved bytes, as CUDA's), an OOM as CUDA words it;
-* `Event(enable_timing=True)`: a reading of the rank's clock (`labkit.emulate.clock`), as a CUDA event on
-  the current stream would be a point on the device's timeline.
+* `Event(enable_timing=True)`: a reading of the rank's clock (`labkit.machine.emulate.clock`), as a CUDA
+  event on the current stream would be a point on the device's timeline.
 
 Tensors stay on the CPU (torch's CPU build cannot make a CUDA tensor, not even a FakeTensor): a rank's device
-on this machine is the CPU (`labkit.runtime.device`), every storage it makes is malloc'ed from the allocator
-model, and its collectives run on the emulated backend on the virtual clock, with links scaled to this CPU as
-on the emulated cluster (`labkit.cluster.Cluster.detect`), so that a lesson measured in time shows as it does
-there. What it cannot check: CUDA kernels, streams, NCCL, real allocator workspaces (cuBLAS, NCCL buffers).
+on this machine is the CPU (`labkit.machine.runtime.device`), every storage it makes is malloc'ed from the
+allocator model, and its collectives run on the emulated backend on the virtual clock, with links scaled to
+this CPU as on the emulated cluster (`labkit.cluster.Cluster.detect`), so that a lesson measured in time shows
+as it does there. What it cannot check: CUDA kernels, streams, NCCL, real allocator workspaces (cuBLAS, NCCL
+buffers).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Any
 
 import torch
 
-from labkit.emulate.budget import MemoryBudget
-from labkit.emulate.clock import CLOCK_ENV, rank_clock
 from labkit.gpu_links import FAKE_CUDA_SUFFIX
+from labkit.machine.emulate.budget import MemoryBudget
+from labkit.machine.emulate.clock import CLOCK_ENV, rank_clock
 
 __all__ = ["ENV", "GPU_NAME", "TOTAL_BYTES", "active", "gpus", "install"]
 

@@ -6,7 +6,7 @@ transfer (numerics stay real) and its work completes no earlier than the α-β m
 collective on FakeTensors moves no data (there is none) and takes the same modelled time; real
 tensors still move. Asynchronous collectives complete on a background thread, so overlap with
 compute is real overlap. The group is registered as the torch.distributed backend
-"labkit_emulated"; `labkit.runtime` initialises it on each rank of an emulated cluster. Its
+"labkit_emulated"; `labkit.machine.runtime` initialises it on each rank of an emulated cluster. Its
 collective record is `record.py`, the memory budget `budget.py`.
 """
 
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit import _torch_compat as compat
-from labkit.emulate.clock import CLOCK_ENV, rank_clock
-from labkit.emulate.record import CollectiveRecord
-from labkit.emulate.simulated_device import active_simulated_device
-from labkit.emulate.timing import VirtualTiming, WallTiming, called_by_ddp_reducer, caller_frame
 from labkit.links import Link, Topology, collective_time_s
+from labkit.machine import _torch_compat as compat
+from labkit.machine.emulate.clock import CLOCK_ENV, rank_clock
+from labkit.machine.emulate.record import CollectiveRecord
+from labkit.machine.emulate.simulated_device import active_simulated_device
+from labkit.machine.emulate.timing import VirtualTiming, WallTiming, called_by_ddp_reducer, caller_frame
 
 __all__ = [
     "BACKEND_NAME",
