@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,29 +96,13 @@ class Bucket:
     numel: int
     pending: int = 0  # parameters whose gradient is not ready yet in this step
     buffer: torch.Tensor | None = None
-    work: Any = None
+    work: Any = None  # the asynchronous all-reduce in flight
     logged: Any = None  # completes once the CommLog holds this bucket's span
     names: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.params[0].element_size()
-
-
-def _ready_hook(ddp: weakref.ref[OverlappedDDP]) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook that calls `on_grad_ready` of the wrapper while it lives."""
-
-    def hook(param: torch.Tensor) -> None:
-        owner = ddp()
-        if owner is not None:
-            owner.on_grad_ready(param)
-
-    return hook
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 class OverlappedDDP(nn.Module):
@@ -133,27 +116,18 @@ class OverlappedDDP(nn.Module):
         model.finish_gradient_synchronization() # wait for the last ones, average
         optimizer.step()
 
-    * At construction rank 0's parameters and buffers are broadcast, so all ranks start equal.
-    * Buckets hold trainable parameters in reverse registration order (torch DDP's initial
-      bucket order, Li et al. 2020 section 3.2.3), at most `bucket_cap_mb` MiB each (a
-      larger parameter gets a bucket of its own), one dtype and device per bucket.
-    * Buckets are launched strictly in index order, so every rank issues the same
-      collectives in the same order even when gradients become ready in a different order.
-    * Frozen parameters (requires_grad=False) are never bucketed. A Parameter used twice
-      (tied embedding and LM head) is bucketed once; autograd accumulates both uses before
-      its hook fires. A parameter with no gradient in a step (unused) holds its bucket back
-      until `finish_gradient_synchronization`, which flushes what is left with zeros for
-      missing gradients: no rank hangs, and that parameter ends the step with a zero
-      gradient (torch DDP with find_unused_parameters=True also all-reduces a bitmap to
-      leave globally unused gradients at None; we do not).
-    * Wrap the module after moving it to its device: buckets are laid out at construction.
+    Rank 0's parameters and buffers are broadcast first, so all ranks start equal. Buckets hold the
+    trainable parameters in reverse registration order (torch DDP's first bucket order, Li et al. 2020
+    section 3.2.3), at most `bucket_cap_mb` MiB each, and go out strictly in index order, so every rank
+    issues the same collectives in the same order. A parameter used twice (tied weights) is bucketed once.
+    One with no gradient in a step holds its bucket back until `finish_gradient_synchronization`, which
+    sends zeros for it. Wrap the module after moving it to its device: buckets are laid out at construction.
+    The course runs it as `labkit.course.training.overlapped.CourseOverlappedDDP`, which adds checks on a
+    hand-written `flush` and hooks that let a dropped wrapper go.
     """
 
     def __init__(
-        self,
-        module: nn.Module,
-        bucket_cap_mb: float = 25.0,
-        process_group: dist.ProcessGroup | None = None,
+        self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None
     ) -> None:
         super().__init__()
         validate.positive_number(
@@ -163,88 +137,58 @@ class OverlappedDDP(nn.Module):
         )
         if not dist.is_initialized():
             raise RuntimeError(
-                "OverlappedDDP needs an initialised process group; run it inside "
-                "labkit.launch(...) or after dist.init_process_group(...)."
+                "OverlappedDDP needs an initialised process group; run it inside labkit.launch(...) or after "
+                "dist.init_process_group(...)."
             )
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self.comm_log = CommLog()
-        self.num_collectives = 0  # collectives launched in the last finished step
-        self.launched_in_backward = 0  # of those, launched by hooks while backward ran
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.comm_log = CommLog()  # each collective from issue to completion, for labkit.trace.capture
+        self.require_sync = True  # False inside no_sync()
+        self.next_bucket = 0  # the next bucket to launch: buckets go in index order
+        self.num_collectives = 0  # launched in the last finished step
+        self.launched_in_backward = 0  # of those, launched by the hooks while backward ran
         self._launched = 0
-        self.next_bucket = 0  # the next bucket to launch; buckets go in order
-        self._ready: set[int] = set()  # ids of parameters whose gradient is ready this step
-        self.require_sync = True
-
         self._broadcast_from_rank0()
         self.buckets = self._assign_buckets()
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for b in self.buckets:
-            b.pending = len(b.params)
-        # The hooks hold the wrapper weakly and go when it goes, as torch DDP's reducer removes its hooks
-        # when it is destroyed (reducer.cpp: ~Reducer calls remove_autograd_hooks). A bound method would
-        # close the cycle parameter -> hook -> wrapper -> buckets -> parameter, which only the garbage
-        # collector frees, and it does not where the parameters are FakeTensors (a simulated machine): each
-        # dropped training job there would keep its parameters and Adam states allocated.
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(_ready_hook(weakref.ref(self)))
-            for b in self.buckets
-            for p in b.params
-        ]
-        weakref.finalize(self, _remove_hooks, self._hooks)
-
-    # -- setup -------------------------------------------------------------------
+        self._hooks = self.register_hooks()
 
     def _broadcast_from_rank0(self) -> None:
         """Copy rank 0's parameters and buffers to every rank (Li et al. 2020, section 3.2.1)."""
         src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
-        seen: set[int] = set()
         with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                flat = t.data if t.data.is_contiguous() else t.data.contiguous()
+            for t in [*self.module.parameters(), *self.module.buffers()]:  # a tied parameter once
+                flat = t.data.contiguous()
                 dist.broadcast(flat, src=src, group=self.process_group)
                 if flat is not t.data:
                     t.data.copy_(flat)
 
     def _assign_buckets(self) -> list[Bucket]:
-        """Trainable parameters, deduplicated by identity, reversed, cut into buckets."""
-        names: dict[int, str] = {}
-        params: list[nn.Parameter] = []
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if p.requires_grad and id(p) not in names:
-                names[id(p)] = name
-                params.append(p)
-        params.reverse()  # gradients of the last layers are ready first
-
+        """The trainable parameters (a tied one once), last registered first, cut into buckets of one dtype
+        and device."""
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        named.reverse()  # gradients of the last layers are ready first
         buckets: list[Bucket] = []
-        current: list[nn.Parameter] = []
+        current: list[tuple[str, nn.Parameter]] = []
         size = 0
-        for p in params:
+        for name, p in named:
             nbytes = p.numel() * p.element_size()
-            same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
+            same_kind = not current or (p.dtype, p.device) == (current[0][1].dtype, current[0][1].device)
             if current and (size + nbytes > self.bucket_cap_bytes or not same_kind):
-                buckets.append(self._make_bucket(len(buckets), current, names))
+                buckets.append(_bucket(len(buckets), current))
                 current, size = [], 0
-            current.append(p)
+            current.append((name, p))
             size += nbytes
         if current:
-            buckets.append(self._make_bucket(len(buckets), current, names))
+            buckets.append(_bucket(len(buckets), current))
         return buckets
 
-    @staticmethod
-    def _make_bucket(index: int, params: list[nn.Parameter], names: dict[int, str]) -> Bucket:
-        offsets, numel = [], 0
-        for p in params:
-            offsets.append(numel)
-            numel += p.numel()
-        return Bucket(index, list(params), offsets, numel, names=[names[id(p)] for p in params])
-
-    # -- the two pieces of the exercise -------------------------------------------
+    def register_hooks(self) -> list[Any]:
+        """Call `on_grad_ready(p)` once autograd has accumulated each parameter's gradient."""
+        params = [p for b in self.buckets for p in b.params]
+        return [p.register_post_accumulate_grad_hook(self.on_grad_ready) for p in params]
 
     # EXERCISE PART 1: the hook. Called by autograd once a parameter's .grad holds its
     # final value for this backward (register_post_accumulate_grad_hook). Mark the
@@ -252,13 +196,6 @@ class OverlappedDDP(nn.Module):
     def on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.require_sync:
             return  # inside no_sync(): gradients only accumulate locally
-        if id(param) in self._ready:
-            raise RuntimeError(
-                "a parameter's gradient became ready twice before finish_gradient_synchronization(); "
-                "call it after every backward, wrap the accumulation backwards in model.no_sync(), or "
-                "call remove_hooks() before training the wrapped module without OverlappedDDP."
-            )
-        self._ready.add(id(param))
         bucket = self.bucket_of[id(param)]
         bucket.pending -= 1
         # Launch in index order only: a collective issued out of order on one rank would be
@@ -284,37 +221,13 @@ class OverlappedDDP(nn.Module):
         self.after_launch(bucket, t0)
 
     def after_launch(self, bucket: Bucket, start_ns: int) -> None:
-        """Bookkeeping, not part of the algorithm: count the collective, log it for traces.
-
-        It also checks what a `flush` written by hand gets wrong, here where it happens rather
-        than deep inside the trace or the next step: the work missing, a bucket flushed twice or
-        out of index order (collectives are matched across ranks by the order they are issued).
-        """
-        if not hasattr(bucket.work, "wait"):
-            raise TypeError(
-                f"bucket.work is {bucket.work!r} after flushing bucket {bucket.index}: start the all-reduce "
-                "with async_op=True and keep what it returns in bucket.work (a synchronous dist.all_reduce "
-                "returns None and waits, so nothing overlaps)"
-            )
-        if bucket.index < self._launched:
-            raise RuntimeError(
-                f"bucket {bucket.index} was flushed again in this step: flush each bucket once, and advance "
-                "self.next_bucket after each flush"
-            )
-        if bucket.index != self._launched:
-            raise RuntimeError(
-                f"bucket {bucket.index} was flushed before bucket {self._launched}: launch buckets strictly "
-                "in index order (from self.buckets[self.next_bucket] on, while each is complete), never in "
-                "the order they fill up; a different order on another rank would pair different buckets"
-            )
+        """Bookkeeping, not the algorithm: count the collective and log it for traces."""
         name = f"all_reduce bucket{bucket.index}"
         bucket.logged = self.comm_log.track(bucket.work, name, bucket.nbytes, start_ns=start_ns)
         self._launched += 1
 
-    # -- the step ------------------------------------------------------------------
-
     def finish_gradient_synchronization(self) -> None:
-        """Flush buckets still waiting (unused parameters), wait for all, average, copy back.
+        """Flush the buckets still waiting (unused parameters), wait for all, average, copy back.
 
         Call after backward and before `optimizer.step()`; it resets the state for the next step.
         """
@@ -337,10 +250,7 @@ class OverlappedDDP(nn.Module):
                     p.grad.copy_(avg)
             bucket.work = bucket.logged = None
             bucket.pending = len(bucket.params)
-        self.num_collectives = self._launched
-        self._launched = 0
-        self.next_bucket = 0
-        self._ready.clear()
+        self.num_collectives, self._launched, self.next_bucket = self._launched, 0, 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -354,27 +264,13 @@ class OverlappedDDP(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def remove_hooks(self) -> nn.Module:
-        """Remove the gradient hooks from the wrapped module's parameters and return it.
 
-        The hooks live on the parameters, so the bare `.module` still triggers them; call
-        this before training it without the wrapper (for example with the naive all-reduce).
-        """
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        return self.module
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self.buckets)
-
-    def bucket_summary(self) -> list[dict[str, Any]]:
-        """One row per bucket: index, number of parameters, bytes and parameter names."""
-        return [
-            {"bucket": b.index, "params": len(b.params), "bytes": b.nbytes, "names": list(b.names)}
-            for b in self.buckets
-        ]
+def _bucket(index: int, named: list[tuple[str, nn.Parameter]]) -> Bucket:
+    """Bucket `index` of these parameters, each at its offset in the flat buffer."""
+    params = [p for _, p in named]
+    offsets = [sum(q.numel() for q in params[:i]) for i in range(len(params))]
+    numel = sum(p.numel() for p in params)
+    return Bucket(index, params, offsets, numel, pending=len(params), names=[name for name, _ in named])
 
 
 # ------------------------------------------------------------------ torch's own

@@ -173,12 +173,12 @@ def test_a_rank_that_outgrows_the_simulated_card_fails_with_the_cards_oom():
 
 
 def _left_by_a_dropped_wrapper() -> int:
+    from labkit.course.training.overlapped import CourseOverlappedDDP
     from labkit.measured_memory import free_memory
-    from labkit.parallel.data import OverlappedDDP
 
     device = labkit.device()
     before = labkit.memory_allocated(device)
-    model = OverlappedDDP(torch.nn.Linear(1024, 1024, device=device), bucket_cap_mb=1.0)
+    model = CourseOverlappedDDP(torch.nn.Linear(1024, 1024, device=device), bucket_cap_mb=1.0)
     model(torch.randn(8, 1024, device=device)).sum().backward()
     model.finish_gradient_synchronization()
     del model
@@ -187,7 +187,8 @@ def _left_by_a_dropped_wrapper() -> int:
 
 
 def test_a_dropped_overlapped_ddp_frees_its_model_on_fake_tensors():
-    """OverlappedDDP's gradient hooks hold it weakly: with bound methods the parameters, their gradients and
-    the buckets stayed allocated on a simulated machine (12.6 MB for this layer, 10.7 MiB per training job in
-    lab 02), because the garbage collector does not free a cycle through a FakeTensor's hooks."""
+    """The course's OverlappedDDP's gradient hooks hold it weakly: with bound methods (the teaching class's)
+    the parameters, their gradients and the buckets stayed allocated on a simulated machine (12.6 MB for this
+    layer, 10.7 MiB per training job in lab 02), because the garbage collector does not free a cycle through a
+    FakeTensor's hooks."""
     assert labkit.launch(_left_by_a_dropped_wrapper, world_size=2, cluster="sim:dgx-h100") == [0, 0]

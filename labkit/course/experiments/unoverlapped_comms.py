@@ -24,6 +24,7 @@ from labkit import validate
 from labkit.course.experiments.params import LabParams, gpt_param, param, simulable_cluster
 from labkit.course.experiments.script import LabRecords, Meaning, Where, main
 from labkit.course.training.job import TrainingJob
+from labkit.course.training.overlapped import bucket_summary
 from labkit.course.training.reference import max_abs_diff, reference_backward
 from labkit.course.training.trainer import Trainer
 from labkit.machine import emulate, runtime, timer
@@ -170,9 +171,9 @@ def train_steps(
 
     `modes` (any of `MODES`), each on its own copy of the same initial model, with SGD: "compute" (no
     communication), "naive" (the mistake, `allreduce_gradients_naive` after backward), "overlapped"
-    (`ddp_class`, default `OverlappedDDP`, with `bucket_cap_mb`), "torch_ddp" (torch's DDP with the same
-    buckets), and "comm_naive" / "comm_overlapped" (the collectives of "naive" / "overlapped", same sizes and
-    count, zero gradients, nothing else: communication alone).
+    (`ddp_class`, default `CourseOverlappedDDP`, with `bucket_cap_mb`), "torch_ddp" (torch's DDP with the
+    same buckets), and "comm_naive" / "comm_overlapped" (the collectives of "naive" / "overlapped", same sizes
+    and count, zero gradients, nothing else: communication alone).
 
     The modes take turns step by step (all do step 1, then step 2, ...), so a slow spell of a noisy machine
     hits them all; a barrier precedes every timed step. Each rank trains on its `micro_batch` rows of a global
@@ -244,8 +245,8 @@ def _steps_of(trainer: Trainer, checked: bool) -> ModeSteps:
     ddp = getattr(trainer.sync, "ddp", None)
     overlapped = isinstance(ddp, OverlappedDDP)
     return ModeSteps(
-        buckets=ddp.num_buckets if overlapped else None,
-        bucket_summary=ddp.bucket_summary() if overlapped else None,
+        buckets=len(ddp.buckets) if overlapped else None,
+        bucket_summary=bucket_summary(ddp.buckets) if overlapped else None,
         max_abs_diff=[] if checked else None,
     )
 

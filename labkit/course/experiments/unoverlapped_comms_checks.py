@@ -6,7 +6,8 @@ cluster) a step clearly faster than the naive one and near its limit.
 
 A learner who subclasses `labkit.OverlappedDDP` itself would inherit the answer (`super().flush(...)` passes
 every check). `OverlappedDDPExercise` raises `NotImplementedError` for exactly the methods the exercise asks
-for; everything else is the reference's, which stays in `labkit.parallel.data.OverlappedDDP`."""
+for; everything else is the reference's (`labkit.parallel.data.OverlappedDDP`), with the course's checks on a
+hand-written flush (`labkit.course.training.overlapped.CourseOverlappedDDP`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labkit.course.training.overlapped import CourseOverlappedDDP
 from labkit.models import GPTConfig, seeded_model
-from labkit.parallel.data import Bucket, OverlappedDDP
+from labkit.parallel.data import Bucket
 
 __all__ = [
     "OVERLAP_MARGINS",
@@ -31,7 +33,7 @@ __all__ = [
 ]
 
 
-class OverlappedDDPExercise(OverlappedDDP):
+class OverlappedDDPExercise(CourseOverlappedDDP):
     """Lab 03's exercise: `OverlappedDDP` without its gradient hook and its bucket flush."""
 
     def on_grad_ready(self, param: torch.Tensor) -> None:

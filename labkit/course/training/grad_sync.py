@@ -8,8 +8,8 @@ returned (the overlap lab 03 measures):
 * `NoSync` ("none"): compute alone, nothing averaged;
 * `PerTensor` ("per_tensor", the mistake): `allreduce_gradients_naive` after backward, one collective per
   gradient, none during backward;
-* `Overlapped` ("overlapped"): labkit's `OverlappedDDP` (or a learner's subclass), buckets launched from
-  gradient hooks during backward;
+* `Overlapped` ("overlapped"): labkit's `OverlappedDDP` as the course runs it (`CourseOverlappedDDP`), or
+  a learner's subclass, buckets launched from gradient hooks during backward;
 * `TorchDDP` ("ddp"): torch's DDP (`labkit.parallel.data.make_ddp`) with a comm hook that does DDP's default
   all-reduce and counts it (`CountingAllReduce`).
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.course.training.overlapped import CourseOverlappedDDP
 from labkit.machine import emulate, runtime
 from labkit.parallel.data import OverlappedDDP, allreduce_gradients_naive, make_ddp
 from labkit.trace.commlog import CommLog
@@ -90,7 +91,9 @@ class Overlapped(GradSync):
     """`OverlappedDDP` (or `ddp_class`, a subclass): buckets all-reduced from gradient hooks during
     backward."""
 
-    def __init__(self, *args: Any, ddp_class: type[OverlappedDDP] = OverlappedDDP, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, ddp_class: type[OverlappedDDP] = CourseOverlappedDDP, **kwargs: Any
+    ) -> None:
         self.ddp_class = ddp_class  # read by wrap(), which GradSync's constructor calls
         super().__init__(*args, **kwargs)
 
@@ -209,7 +212,8 @@ def make_grad_sync(
     if kind == "per_tensor":
         return PerTensor(model, process_group, log)
     if kind == "overlapped":
-        return Overlapped(model, process_group, log, bucket_cap_mb, ddp_class=ddp_class or OverlappedDDP)
+        chosen = ddp_class or CourseOverlappedDDP
+        return Overlapped(model, process_group, log, bucket_cap_mb, ddp_class=chosen)
     if kind == "ddp":
         return TorchDDP(model, process_group, log, bucket_cap_mb)
     return NoSync(model, process_group, log)
