@@ -37,8 +37,10 @@ the batch-size finder); ``labkit.course.experiments.oom_batch`` is lab 02's driv
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -52,6 +54,7 @@ __all__ = [
     "PEAK_MOMENTS",
     "PRECISIONS",
     "MemoryBreakdown",
+    "TrainingSetup",
     "blocks_per_stage",
     "bytes_per_param",
     "check_model_parallel",
@@ -214,74 +217,80 @@ def _shard(n: int, parts: int) -> int:
     return math.ceil(n / parts)
 
 
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How a model trains, as far as its memory goes: `estimate`'s settings, each checked when made."""
+
+    dp: int = 1  # data-parallel ranks, over which ZeRO shards
+    zero_stage: int = 0  # ZeRO: 0 off, 1 shards the optimizer states, 2 the gradients too, 3 the weights
+    precision: str = "mixed"  # one of PRECISIONS: the bytes of weights, gradients, states and activations
+    optimizer: str = "adam"  # one of OPTIMIZERS: the states it keeps per parameter
+    micro_batch: int = 1  # sequences in one forward and backward on a rank
+    seq_len: int | None = None  # tokens per sequence (None: the model's)
+    # False or "none" keeps every activation; True or "full" recomputes each block from its input; "selective"
+    # only the attention's scores (Korthikanti et al. 2022, section 5)
+    checkpointing: bool | str = False
+    keep_grads: bool = False  # gradients live through the step (accumulation, zero_grad(set_to_none=False))
+    # "gpt": the tensors our GPT saves (`gpt_activation_bytes`) and the loss-gradient temporaries;
+    # "korthikanti": the paper's per-layer count as published (16-bit), doubled for fp32 activations
+    activations: str = "gpt"
+    tp: int = 1  # tensor-parallel ranks sharing each block's matrices (Megatron, `labkit.parallel.tensor`)
+    pp: int = 1  # pipeline stages sharing the blocks as `even_split` does
+    micro_batches: int | None = None  # micro-batches per step under 1F1B (None: pp)
+    foreach: bool = False  # torch's for-each optimizer: the square roots of all second moments at once
+    sequence_parallel: bool = False  # with tp: outside attention and the MLP a rank holds 1/tp of the tokens
+
+    def __post_init__(self) -> None:
+        validate.positive_int("dp", self.dp)
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} must be a ZeRO stage: use 0, 1, 2 or 3 (0 off, 1 optimizer "
+                "states, 2 + gradients, 3 + parameters)"
+            )
+        validate.one_of("precision", self.precision, PRECISIONS)
+        validate.one_of("optimizer", self.optimizer, OPTIMIZERS)
+        validate.positive_int("micro_batch", self.micro_batch)
+        if self.seq_len is not None:
+            validate.positive_int("seq_len", self.seq_len)
+        validate.one_of("activations", self.activations, ("gpt", "korthikanti"))
+        _checkpointing_mode(self.checkpointing)
+        validate.positive_int("tp", self.tp, "estimate(..., tp=4), the tensor-parallel size")
+        validate.positive_int("pp", self.pp, "estimate(..., pp=2), the number of pipeline stages")
+        if self.micro_batches is not None:
+            validate.positive_int("micro_batches", self.micro_batches, "estimate(..., pp=4, micro_batches=8)")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+
+    @property
+    def recompute(self) -> str:
+        """`checkpointing` as one of `CHECKPOINTING`."""
+        return _checkpointing_mode(self.checkpointing)
+
+
 def estimate(
     params: int | None = None,
     model: GPTConfig | nn.Module | None = None,
     *,
-    dp: int = 1,
-    zero_stage: int = 0,
-    precision: str = "mixed",
-    optimizer: str = "adam",
-    micro_batch: int = 1,
-    seq_len: int | None = None,
-    checkpointing: bool | str = False,
-    keep_grads: bool = False,
-    activations: str = "gpt",
-    tp: int = 1,
-    pp: int = 1,
-    micro_batches: int | None = None,
-    foreach: bool = False,
-    sequence_parallel: bool = False,
+    setup: TrainingSetup | None = None,
+    **settings: Any,
 ) -> MemoryBreakdown:
-    """Per-rank training memory from formulas (no tensors are built).
+    """Per-rank training memory from formulas (no tensors are built): the parts, and when they peak.
 
-    Give ``params`` (a count) or ``model`` (a ``GPTConfig``, a ``GPT`` or any module; only a
-    GPT gives activations). Model states follow ZeRO (module docstring, ``bytes_per_param``):
-    stage 1 shards the optimizer states, 2 also the gradients, 3 also the parameters over
-    ``dp`` ranks. Activations are per rank for one micro-batch of ``seq_len`` tokens:
+    Give ``params`` (a count) or ``model`` (a ``GPTConfig``, a ``GPT`` or any module; only a GPT gives
+    activations), and how it trains: a `TrainingSetup`, or its fields as keywords
+    (``estimate(model=config, dp=8, zero_stage=3)``). The parts are the weights, gradients and optimizer
+    states (ZeRO, the module docstring) and one micro-batch's activations and temporaries.
 
-    * ``activations="gpt"`` (default): ``gpt_activation_bytes``, the tensors our GPT saves,
-      and ``other`` = the loss-gradient temporaries (2 x tokens x vocab);
-    * ``activations="korthikanti"``: the paper's per-layer formula as published (16-bit),
-      doubled for fp32 activations (this course's adaptation).
-
-    ``checkpointing``: ``False`` or ``"none"`` keeps every activation; ``True`` or ``"full"``
-    recomputes each block from its input (the paper's 2*s*b*h per layer); ``"selective"``
-    recomputes only the attention's QK^T, softmax, dropout and product with V (Korthikanti et al. 2022,
-    section 5): the paper's count loses its 5*a*s/h term, s*b*h*34 per layer at tp = 1. Our
-    GPT's fused attention (``scaled_dot_product_attention``) already keeps no s*s scores and
-    recomputes them in backward, so for ``activations="gpt"`` "selective" is the same as "none".
-
-    ``total`` is the sum of all categories. ``peak`` is when they coexist: gradients appear
-    during backward as activations are freed, so unless ``keep_grads`` (gradients living
-    through the step: gradient accumulation, ``zero_grad(set_to_none=False)``) the peak is
-    params + optimizer + the largest of: activations + temporaries at the start of
-    backward; kept block inputs + one recomputed block and its backward temporaries + the
-    gradients of later blocks (with checkpointing); the gradients (optimizer step).
-    On small lab models this matched ``measure`` within 1 % without and within 4 % with
-    checkpointing (see tests). ZeRO-3 adds its working set to backward: two blocks and the
-    root whole, and their gradients before the reduce-scatter (``_zero3_gathered``; FSDP2 on the
-    emulated cluster measured within 1 %). Not counted: communication buckets, allocator
-    overheads, and the for-loop Adam's temporaries (torch's default on CPU
-    tensors: a copy or two of the largest tensor).
-
-    ``foreach``: the optimizer runs torch's for-each implementation, which torch.optim picks for
-    CUDA tensors (``Machine.optimizer_foreach``). Its Adam and AdamW take the square root of every
-    second moment into new tensors with one for-each call (``torch/optim/adam.py``): one more copy
-    of the optimizer state during the step, which the optimizer-step moment counts.
-
-    ``sequence_parallel`` (with ``tp``): the activations outside attention and the MLP hold 1/tp of the
-    tokens (Korthikanti et al. 2022, section 4.2.2; ``labkit.parallel.sequence``).
-
-    Model parallelism (a ``GPTConfig``): ``tp`` ranks share each block's matrices (Megatron,
-    ``labkit.parallel.tensor``: norms, biases after g, embedding and head stay whole), ``pp``
-    stages share the blocks as ``even_split`` does (embedding on the first, head on the last).
-    Under 1F1B stage s holds min(m, pp - s) micro-batches in flight (Narayanan et al. 2021,
-    section 2.2; ``micro_batches`` = m, None: pp), so the first stage holds about one
-    micro-batch of the whole model's block activations (Korthikanti et al. 2022, section 4.2.3).
-    The result is the stage with the highest peak (its ``source`` names it). With ``params``
-    only, the count is divided by tp x pp. Not counted: torch.distributed.pipelining's receive
-    buffers (one activation and one gradient per micro-batch on a stage, allocated up front).
+    ``total`` sums them. ``peak`` is when they coexist: gradients appear during backward as activations are
+    freed, so unless ``keep_grads`` the peak is weights + optimizer states + the largest of: the activations
+    and temporaries at the start of backward; with checkpointing, the kept block inputs + one recomputed
+    block + the gradients of later blocks; the gradients at the optimizer step (with ``foreach``, also the
+    for-each temporaries). ZeRO-3 adds its working set to backward (``_zero3_gathered``). Under 1F1B stage s
+    holds min(m, pp - s) micro-batches in flight (Narayanan et al. 2021, section 2.2); the result is the
+    stage with the highest peak (its ``source`` names it). On the lab models this matched ``measure``
+    within 1 % without and 4 % with checkpointing, and FSDP2 within 1 % (tests). Not counted: communication
+    buckets, allocator overheads, the for-loop Adam's temporaries, and torch.distributed.pipelining's
+    receive buffers.
     """
     if (params is None) == (model is None):
         raise ValueError(
@@ -289,43 +298,43 @@ def estimate(
             f"(got {type(model).__name__}); e.g. estimate(params=7_500_000_000) or "
             f"estimate(model=GPTConfig.preset('gpt2'))"
         )
-    validate.positive_int("dp", dp)
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
-        raise ValueError(
-            f"zero_stage={zero_stage!r} must be a ZeRO stage: use 0, 1, 2 or 3 (0 off, 1 optimizer "
-            "states, 2 + gradients, 3 + parameters)"
-        )
-    validate.one_of("precision", precision, PRECISIONS)
-    validate.one_of("optimizer", optimizer, OPTIMIZERS)
-    validate.positive_int("micro_batch", micro_batch)
-    if seq_len is not None:
-        validate.positive_int("seq_len", seq_len)
-    validate.one_of("activations", activations, ("gpt", "korthikanti"))
-    recompute = _checkpointing_mode(checkpointing)
-    validate.positive_int("tp", tp, "estimate(..., tp=4), the tensor-parallel size")
-    validate.positive_int("pp", pp, "estimate(..., pp=2), the number of pipeline stages")
-    if micro_batches is not None:
-        validate.positive_int("micro_batches", micro_batches, "estimate(..., pp=4, micro_batches=8)")
+    setup = _setup(setup, settings)
     n, config = _count_params(params, model)
-    if not isinstance(sequence_parallel, bool):
-        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False")
-    knobs = _Knobs(dp, zero_stage, precision, optimizer, micro_batch, seq_len, recompute, keep_grads,
-                   activations, tp, foreach, sequence_parallel)
+    tp, pp = setup.tp, setup.pp
     if config is None:
-        return _estimate_stage(_shard(n, tp * pp), None, 1, 0, knobs, f"tp={tp}, pp={pp}")
+        return _estimate_stage(_shard(n, tp * pp), None, 1, 0, setup, f"tp={tp}, pp={pp}")
     check_model_parallel(config, tp, pp)
     blocks = blocks_per_stage(config, pp)
     results = []
     for s in sorted({0, pp - 1}):
-        in_flight = min(micro_batches or pp, pp - s)
+        in_flight = min(setup.micro_batches or pp, pp - s)
         where = f"tp={tp}, pp={pp}" + (
             f", stage {s} ({blocks[s]} blocks, {in_flight} in flight)" if pp > 1 else ""
         )
         results.append(
-            _estimate_stage(stage_params(config, tp, pp, s), config, blocks[s], s, knobs, where, in_flight,
+            _estimate_stage(stage_params(config, tp, pp, s), config, blocks[s], s, setup, where, in_flight,
                             s == pp - 1)
         )
     return max(results, key=lambda b: b.peak)
+
+
+def _setup(setup: TrainingSetup | None, settings: dict[str, Any]) -> TrainingSetup:
+    """`estimate`'s setup: the one given, or one made of its keywords (not both)."""
+    if setup is not None and settings:
+        raise ValueError(
+            f"estimate takes a setup or its fields as keywords, not both (got setup and {sorted(settings)}); "
+            "e.g. estimate(model=config, setup=dataclasses.replace(setup, dp=8))"
+        )
+    if setup is not None:
+        return setup
+    fields = {f.name for f in dataclasses.fields(TrainingSetup)}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise ValueError(
+            f"estimate got {', '.join(unknown)}, which TrainingSetup does not have; its fields: "
+            f"{', '.join(sorted(fields))}"
+        )
+    return TrainingSetup(**settings)
 
 
 def check_model_parallel(config: GPTConfig, tp: int, pp: int) -> None:
@@ -391,25 +400,7 @@ def _block_params(config: GPTConfig, tp: int) -> int:
     return 4 * d + (d * qkv + qkv + d * d + d * f + f + f * d) // tp + 2 * d
 
 
-@dataclass(frozen=True)
-class _Knobs:
-    """estimate's settings that every stage shares (checked by estimate)."""
-
-    dp: int
-    zero_stage: int
-    precision: str
-    optimizer: str
-    micro_batch: int
-    seq_len: int | None
-    checkpointing: str  # one of CHECKPOINTING
-    keep_grads: bool
-    activations: str
-    tp: int
-    foreach: bool
-    sequence_parallel: bool
-
-
-def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k: _Knobs, where: str,
+def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k: TrainingSetup, where: str,
                     in_flight: int = 1, has_head: bool = True) -> MemoryBreakdown:
     """`estimate` for one rank holding `n` parameters and, with a config, `blocks` blocks of it."""
     p_bytes, g_bytes, k_bytes = bytes_per_param(k.precision, k.optimizer)
@@ -428,7 +419,7 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k
     if config is not None:
         seq = config.seq_len if k.seq_len is None else k.seq_len
         act_mem, other, peak_of_backward, backward_moment = _activations(
-            config, k.micro_batch, seq, k.precision, k.checkpointing, k.activations, live_grads, k.tp, blocks,
+            config, k.micro_batch, seq, k.precision, k.recompute, k.activations, live_grads, k.tp, blocks,
             in_flight, has_head, stage, n, k.sequence_parallel,
         )
         if k.zero_stage >= 3 and k.dp > 1:
@@ -440,8 +431,8 @@ def _estimate_stage(n: int, config: GPTConfig | None, blocks: int, stage: int, k
     setting = f"{k.precision}, {k.optimizer}, dp={k.dp}, ZeRO-{k.zero_stage}, {k.activations}"
     if k.sequence_parallel:
         setting += ", sequence parallel"
-    if k.checkpointing != "none":
-        setting += f", {k.checkpointing} recomputation"
+    if k.recompute != "none":
+        setting += f", {k.recompute} recomputation"
     source = f"estimate ({setting}{parallel})"
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, act_mem, other, peak, source, moment)
 

@@ -9,7 +9,14 @@ import torch
 
 from labkit import launch
 from labkit.measured_memory import measure
-from labkit.memory import MemoryBreakdown, bytes_per_param, estimate, gpt_activation_bytes, stage_params
+from labkit.memory import (
+    MemoryBreakdown,
+    TrainingSetup,
+    bytes_per_param,
+    estimate,
+    gpt_activation_bytes,
+    stage_params,
+)
 from labkit.models import GPT, GPTConfig, seeded_model, synthetic_batch
 from labkit.parallel.pipeline import GPTStage, even_split
 from labkit.parallel.tensor import shard_state
@@ -358,3 +365,21 @@ def test_for_each_adam_holds_one_more_copy_of_its_states_in_its_step_which_the_e
     loop = estimate(model=config, precision="fp32", micro_batch=1, keep_grads=True)
     assert on_cuda.peak == on_cuda.params + on_cuda.grads + on_cuda.optimizer + 4 * n
     assert loop.peak / peaks[True] < 0.85  # the estimate without the term misses it
+
+
+def test_a_setup_gives_the_same_estimate_as_its_fields_as_keywords():
+    config = GPTConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
+    setup = TrainingSetup(dp=4, zero_stage=3, precision="fp32", micro_batch=2, tp=2, checkpointing="full")
+    keywords = estimate(
+        model=config, dp=4, zero_stage=3, precision="fp32", micro_batch=2, tp=2, checkpointing=True
+    )
+    assert estimate(model=config, setup=setup) == keywords
+
+
+def test_estimate_names_a_setting_it_does_not_have_and_refuses_a_setup_with_keywords():
+    with pytest.raises(ValueError, match=r"got dpp, which TrainingSetup does not have; its fields: .*dp"):
+        estimate(params=1000, dpp=2)
+    with pytest.raises(ValueError, match="a setup or its fields as keywords, not both"):
+        estimate(params=1000, setup=TrainingSetup(), dp=2)
+    with pytest.raises(ValueError, match="zero_stage=4 must be a ZeRO stage"):
+        TrainingSetup(zero_stage=4)
