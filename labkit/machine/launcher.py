@@ -63,10 +63,11 @@ from labkit.machine import emulate, flight_recorder, torchrun, worker
 from labkit.machine.emulate import diagnose_hang
 
 __all__ = ["RankError", "launch"]
-# torch.distributed.pipelining pulls in dynamo: ~1.5 s of CPU per rank, 8 ranks on 2 cores ~6 s per launch.
-# A rank that unpickles a lab's function imports its module, and so labkit's layers and FSDP: 226 ms per rank
-# for labs 01 and 04's two, 49 ms with these preloaded (py-spy: a tenth of lab 01's test was ranks importing).
-# Preloaded only on a CPU build, where nothing can touch CUDA before the fork.
+
+# What every rank imports, imported once by the fork server instead: torch.distributed.pipelining pulls in
+# dynamo, and a rank that unpickles a lab's function imports its module, and so labkit's layers and FSDP;
+# paid per rank, that is seconds a launch on a few cores. Preloaded only on a CPU build, where nothing can
+# touch CUDA before the fork.
 _PRELOAD = [
     "torch",
     "torch.distributed",
