@@ -134,7 +134,10 @@ def test_on_the_emulated_cluster_the_span_is_the_devices_first_to_last_collectiv
     link_s = collective_time_s("all_reduce", 4096, 2, link)
     for r in launch(_spans, link_s, world_size=2, cluster=cluster, timeout_s=60):
         assert r["hidden"] == pytest.approx(4 * link_s, rel=0.05)  # not 0.1 s more
-        assert r["gaps"] == pytest.approx(3 * 2 * link_s + link_s, rel=0.05)
+        # each of the 3 gaps is the host's 2 link_s and its own launch of the next all-reduce (host Python,
+        # under a millisecond even on a slow runner), which the device waits through too
+        gaps = 3 * 2 * link_s + link_s
+        assert 0.98 * gaps <= r["gaps"] <= gaps + 3 * 1e-3
         # bandwidth_test's spin: the collectives queue behind it and run back to back, as on a GPU's stream
         assert r["queued"] == pytest.approx(4 * link_s, rel=0.05)
         assert r["empty"] == pytest.approx(0.01, rel=0.3)
