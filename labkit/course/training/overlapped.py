@@ -45,13 +45,13 @@ class CourseOverlappedDDP(OverlappedDDP):
         return handles
 
     def on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.require_sync and id(param) in self._ready:
-            raise RuntimeError(
-                "a parameter's gradient became ready twice before finish_gradient_synchronization(); "
-                "call it after every backward, wrap the accumulation backwards in model.no_sync(), or "
-                "call remove_hooks() before training the wrapped module without OverlappedDDP."
-            )
         if self.require_sync:
+            if id(param) in self._ready:
+                raise RuntimeError(
+                    "a parameter's gradient became ready twice before finish_gradient_synchronization(); "
+                    "call it after every backward, wrap the accumulation backwards in model.no_sync(), or "
+                    "call remove_hooks() before training the wrapped module without OverlappedDDP."
+                )
             self._ready.add(id(param))
         super().on_grad_ready(param)
 
