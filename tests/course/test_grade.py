@@ -171,8 +171,7 @@ def _lab04_fixture(before_ms: float, after_ms: float, extra: list[str]) -> nbfor
     params = nbformat.v4.new_code_cell('cluster = "auto"\nsteps = 3', metadata={"tags": ["parameters"]})
     setup = nbformat.v4.new_code_cell(
         "from types import SimpleNamespace\n"
-        "from labkit.course.experiments.imbalanced_pipeline_checks import check_pipeline\n"
-        "from labkit.course.forecast import verdict\n"
+        "from labkit.course import lab04\n"
         "def run(step_ms):\n"
         "    return SimpleNamespace(step_ms=step_ms, limit_ms=90.0, imbalance=1.1, grad_error=1e-7,\n"
         "                           loss_error=1e-7, sizes=[7, 6, 6, 7], micro_batches=8, bubble=0.3,\n"

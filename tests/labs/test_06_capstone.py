@@ -145,7 +145,7 @@ FIX_MISTAKES = {
         "returned the job unchanged. The finding measured that one collective per gradient after backward",
     ),
     "labkit's own answer": (
-        {("    knobs = {", "**knobs[finding.kind])"): "    return by_diagnosis(finding.kind).fixed(job)"},
+        {("    knobs = {", "**knobs[finding.kind])"): "    return lab06.by_diagnosis(finding.kind).fixed(job)"},
         "MISTAKES[...].fixed, labkit's own answer",
     ),
 }
