@@ -245,7 +245,7 @@ class Cluster:
                 "(a simulated node; 'sim:dgx-a100-80gb:2' for two) or a labkit.Cluster, e.g. "
                 "Cluster.emulated(nodes=2, gpus_per_node=2)."
             )
-        cluster.check_world_size(world_size)
+        cluster._check_holds(world_size)
         return cluster
 
     # -- facts -----------------------------------------------------------------
@@ -297,8 +297,8 @@ class Cluster:
             max(1, self.gpus_per_node), self.intra_node, self.inter_node, self.nics_per_node, self.nvls_gb_s
         )
 
-    def check_world_size(self, world_size: int) -> None:
-        validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
+    def _check_holds(self, world_size: int) -> None:
+        """`resolve`'s last check: this cluster has a GPU (or an emulated or simulated one) for every rank."""
         if self.kind == "gpu" and self.gpu_count == 0:
             raise ValueError(
                 f"world_size={world_size} is larger than the 0 GPU(s) present: cluster='gpu' was asked for, "

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from labkit.machine import flight_recorder
+from labkit.machine import flight_recorder, launcher
 from labkit.machine.emulate import diagnose_hang
 
 
@@ -33,7 +33,7 @@ def _dump(tmp_path, rank: int, entries: list[dict]) -> None:
 def test_a_skipped_all_reduce_is_named_with_the_rank_that_skipped_it(tmp_path):
     _dump(tmp_path, 0, [_entry(1, "completed"), _entry(2, "started")])  # rank 0 waits in all_reduce #2
     _dump(tmp_path, 1, [_entry(1, "completed")])  # rank 1 never called it
-    records = flight_recorder.read_collective_records(tmp_path, 3)  # rank 2 left no dump
+    records = flight_recorder.read_collective_records(tmp_path)  # rank 2 left no dump
     assert set(records) == {0, 1} and records[0]["pending"][0]["op"] == "all_reduce"
     text, culprit = diagnose_hang(records, 3)
     assert "all_reduce #2 (float[1024]) on rank 0 never completed" in text
@@ -44,7 +44,7 @@ def test_a_skipped_all_reduce_is_named_with_the_rank_that_skipped_it(tmp_path):
 def test_a_mismatched_shape_is_a_mismatch(tmp_path):
     _dump(tmp_path, 0, [_entry(1, "started", size=(1024,))])
     _dump(tmp_path, 1, [_entry(1, "started", size=(2048,))])
-    text, culprit = diagnose_hang(flight_recorder.read_collective_records(tmp_path, 2), 2)
+    text, culprit = diagnose_hang(flight_recorder.read_collective_records(tmp_path), 2)
     assert "mismatched collective" in text and culprit == 1
 
 
@@ -65,7 +65,7 @@ def test_the_ranks_are_told_where_to_dump(tmp_path):
     )
     assert flight_recorder.dump_prefix({}) is None
     (tmp_path / "nccl_trace_rank_0").write_bytes(b"torn")  # a dump cut short is skipped, not an error
-    assert flight_recorder.read_collective_records(tmp_path, 1) == {}
+    assert flight_recorder.read_collective_records(tmp_path) == {}
 
 
 def test_without_any_dump_a_failure_is_reported_at_once(tmp_path, monkeypatch):
@@ -73,11 +73,12 @@ def test_without_any_dump_a_failure_is_reported_at_once(tmp_path, monkeypatch):
     def no_sleep(seconds):
         raise AssertionError("waited for a dump although no rank dumped")
 
-    monkeypatch.setattr(flight_recorder.time, "sleep", no_sleep)
-    flight_recorder.wait_for_dumps(tmp_path, [0, 1], seconds=5.0)
+    monkeypatch.setattr(launcher.time, "sleep", no_sleep)
+    assert launcher._records(tmp_path, 2, nccl=True) == {}
     _dump(tmp_path, 0, [_entry(1, "started")])  # one rank dumped: the other gets its moment
+    assert flight_recorder.dumped_ranks(tmp_path) == [0]
     with pytest.raises(AssertionError, match="waited"):
-        flight_recorder.wait_for_dumps(tmp_path, [0, 1], seconds=5.0)
+        launcher._records(tmp_path, 2, nccl=True)
 
 
 def test_after_a_torchrun_job_hung_the_dumps_are_read_from_the_command_line(tmp_path, capsys):
@@ -118,7 +119,7 @@ def test_each_group_and_point_to_point_count_on_their_own(tmp_path):
         [_op_entry(1, 1, "completed", "nccl:all_reduce")]
         + [_op_entry(1 + i, i, "completed", "nccl:all_reduce", tp) for i in (1, 2)],
     )
-    records = flight_recorder.read_collective_records(tmp_path, 2)
+    records = flight_recorder.read_collective_records(tmp_path)
     assert records[0]["pending"][0] | {"shapes": None} == {
         "seq": 3,
         "op": "all_reduce",
@@ -143,7 +144,7 @@ def test_a_pipeline_send_without_its_receive_is_named_with_its_peer(tmp_path):
         ],
     )
     _dump(tmp_path, 1, [_op_entry(1, 0, "completed", "nccl:recv 0->1", p2p=1)])
-    records = flight_recorder.read_collective_records(tmp_path, 2)
+    records = flight_recorder.read_collective_records(tmp_path)
     assert records[0]["pending"][0]["op"] == "send" and records[0]["pending"][0]["peer"] == 1
     text, culprit = diagnose_hang(records, 2)
     assert "send #2 to rank 1 (float[1024]) on rank 0 never completed" in text

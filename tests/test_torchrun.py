@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from labkit.machine import torchrun
+from labkit.machine.launcher import launch
 
 
 def test_under_torchrun_launch_runs_on_the_torchrun_ranks(tmp_path, labkit_env):
@@ -147,8 +148,9 @@ def test_tasks_of_srun_or_mpirun_are_recognised(monkeypatch):
 
 
 def test_a_world_size_other_than_torchruns_is_refused(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    for name, value in (("TORCHELASTIC_RUN_ID", "job"), ("RANK", "0"), ("WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
     with pytest.raises(
         ValueError, match=r"launch\(world_size=2\) under torchrun, which started WORLD_SIZE=4"
     ):
-        torchrun.run(abs, (1,), {}, 2, 5.0)
+        launch(abs, 1, world_size=2)

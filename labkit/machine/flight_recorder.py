@@ -17,7 +17,7 @@ ProcessGroupNCCL, see "PYTORCH ProcessGroupNCCL Environment Variables" and the F
   `input_dtypes`. Each process group, and within it collectives and point-to-point ops, count on their own
   (torch/distributed/flight_recorder/components/types.py matches them so).
 
-`read_collective_records(run_dir, world_size)` gives each dumped rank's record in `diagnose_hang`'s shape: the
+`read_collective_records(run_dir)` gives each dumped rank's record in `diagnose_hang`'s shape: the
 first operation not completed (with its group), the operations of that group and kind counted, the last one,
 and the status.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,11 @@ __all__ = [
     "DUMP_PREFIX",
     "DUMP_VARS",
     "dump_prefix",
+    "dumped_ranks",
     "env_for",
     "main",
     "read_collective_records",
     "record_of",
-    "wait_for_dumps",
 ]
 
 DUMP_PREFIX = "nccl_trace_rank_"
@@ -123,21 +122,17 @@ def record_of(dump: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def wait_for_dumps(run_dir: str | Path, ranks: list[int], seconds: float = 5.0) -> None:
-    """Once one rank has dumped (a watchdog timed out), give the others a moment to finish theirs: they dump
-    at about the same time. Without any dump (a rank simply raised) there is nothing to wait for."""
-    paths = [Path(run_dir) / f"{DUMP_PREFIX}{r}" for r in ranks]
-    if not any(p.exists() for p in paths):
-        return
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not all(p.exists() for p in paths):
-        time.sleep(0.2)
+def dumped_ranks(run_dir: str | Path) -> list[int]:
+    """The ranks whose dump (`DUMP_PREFIX`<rank>) is in `run_dir`, in rank order."""
+    names = (p.name.removeprefix(DUMP_PREFIX) for p in Path(run_dir).glob(f"{DUMP_PREFIX}*"))
+    return sorted(int(n) for n in names if n.isdigit())
 
 
-def read_collective_records(run_dir: str | Path, world_size: int) -> dict[int, dict]:
-    """Each rank's record from its flight-recorder dump; ranks without a (readable) dump are left out."""
+def read_collective_records(run_dir: str | Path) -> dict[int, dict]:
+    """Each rank's record from its flight-recorder dump in `run_dir`; a rank without a (readable) dump is
+    left out (`diagnose_hang`, told the world size, names it)."""
     records = {}
-    for r in range(world_size):
+    for r in dumped_ranks(run_dir):
         try:
             with open(Path(run_dir) / f"{DUMP_PREFIX}{r}", "rb") as f:
                 records[r] = record_of(pickle.load(f))
@@ -158,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help=f"the folder of the dumps ({DUMP_PREFIX}<rank> files)")
     p.add_argument("--world-size", type=int, required=True, help="ranks in the job (a missing dump is named)")
     args = p.parse_args(argv)
-    records = read_collective_records(args.dir, args.world_size)
+    records = read_collective_records(args.dir)
     if not records:
         print(
             f"no readable dump ({DUMP_PREFIX}<rank>) in {args.dir}: the watchdog wrote none (was "

@@ -131,10 +131,9 @@ def _start_fork_server_deaf_to_ctrl_c() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
-def _validate(fn: Any, world_size: Any, timeout_s: Any) -> None:
+def _validate(fn: Any, timeout_s: Any) -> None:
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a function, got {type(fn).__name__}: {fn!r}")
-    validate.positive_int("world_size", world_size, "launch(fn, world_size=2)")
     validate.positive_number("timeout_s", timeout_s, "launch(fn, timeout_s=30), in seconds")
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if (
@@ -295,13 +294,19 @@ def launch(
     Raises `RankError` when a rank raises, dies or hangs; bad arguments raise before any
     process starts.
     """
-    _validate(fn, world_size, timeout_s)
+    _validate(fn, timeout_s)
     if deadline_s is not None:
         validate.positive_number("deadline_s", deadline_s, "launch(fn, deadline_s=60), in seconds, or None")
     if isinstance(cluster, Cluster) and cluster.kind == "described":  # planning only: resolve says so
         Cluster.resolve(cluster, world_size)
-    if torchrun.under_torchrun():
-        return torchrun.run(fn, args, kwargs, world_size, float(timeout_s), cluster)
+    if torchrun.under_torchrun():  # the ranks are torchrun's: world_size must be theirs
+        if world_size != torchrun.started_ranks():
+            raise ValueError(
+                f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE="
+                f"{torchrun.started_ranks()} ranks; pass the same number (torchrun's --nnodes x "
+                "--nproc-per-node)."
+            )
+        return torchrun.run(fn, args, kwargs, float(timeout_s), cluster)
     if (other := torchrun.external_ranks()) is not None:
         launcher, task, tasks = other
         raise ValueError(
@@ -309,7 +314,7 @@ def launch(
             f"launch would start {world_size} more ranks here, on this node alone. Start the tasks with "
             "torchrun (inside srun: one torchrun per node, see the SLURM example in the README)."
         )
-    resolved = Cluster.resolve(cluster, world_size)
+    resolved = Cluster.resolve(cluster, world_size)  # checks world_size: a positive int the cluster holds
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as exc:
@@ -404,11 +409,13 @@ def _start_and_supervise(
 def _records(run_dir: Path, world_size: int, nccl: bool) -> dict[int, dict]:
     """Each rank's collective record: the emulated group's files, or NCCL's flight-recorder dumps."""
     if not nccl:
-        return emulate.read_collective_records(run_dir, world_size)
-    flight_recorder.wait_for_dumps(
-        run_dir, list(range(world_size))
-    )  # the watchdogs dump at about the same time
-    return flight_recorder.read_collective_records(run_dir, world_size)
+        return emulate.read_collective_records(run_dir)
+    # Once one rank's watchdog has dumped (a collective timed out), the others dump at about the same time:
+    # give them a moment. Without any dump (a rank simply raised) there is nothing to wait for.
+    deadline = time.monotonic() + 5.0
+    while 0 < len(flight_recorder.dumped_ranks(run_dir)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return flight_recorder.read_collective_records(run_dir)
 
 
 def _supervise(

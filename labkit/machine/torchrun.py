@@ -39,7 +39,7 @@ from labkit.errors import RankError
 from labkit.machine import _torch_compat, rank_setup
 from labkit.machine.worker import to_cpu
 
-__all__ = ["check_cluster", "external_ranks", "leave", "run", "under_torchrun"]
+__all__ = ["check_cluster", "external_ranks", "leave", "run", "started_ranks", "under_torchrun"]
 
 _GRACE_S = 3.0  # once a rank has failed, how long the others get to report theirs
 _POLL_S = 0.02
@@ -48,6 +48,11 @@ _POLL_S = 0.02
 def under_torchrun() -> bool:
     """True in a process that torchrun started (its rendezvous variables are set)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def started_ranks() -> int:
+    """How many ranks torchrun started (its --nnodes x --nproc-per-node: WORLD_SIZE)."""
+    return int(os.environ["WORLD_SIZE"])
 
 
 def external_ranks() -> tuple[str, int, int] | None:
@@ -85,18 +90,11 @@ def run(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict,
-    world_size: int,
     timeout_s: float,
     cluster: Any = "auto",
 ) -> list[Any]:
     """Run `fn` on this torchrun rank and return every rank's result, in rank order (see the module
-    docstring)."""
-    if world_size != int(os.environ["WORLD_SIZE"]):
-        raise ValueError(
-            f"launch(world_size={world_size}) under torchrun, which started "
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; pass the same number (torchrun's --nnodes x "
-            "--nproc-per-node)."
-        )
+    docstring). The ranks are torchrun's: `launch` has checked that its world_size is `started_ranks()`."""
     check_cluster(cluster)
     # The group outlives this launch: a script's next launch reuses it. Destroying and re-creating it at once
     # raced in gloo's rendezvous (a rank read its peer's address from the old group: "Connection refused").

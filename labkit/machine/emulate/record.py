@@ -96,13 +96,14 @@ class CollectiveRecord:
             return None
 
 
-def read_collective_records(run_dir: Path, world_size: int) -> dict[int, dict]:
-    """Each rank's collective record, from the files the emulated process group keeps."""
+def read_collective_records(run_dir: Path) -> dict[int, dict]:
+    """Each rank's collective record, from the files (record<rank>.json) the emulated process group keeps in
+    `run_dir`; a rank that left none is left out (`diagnose_hang`, told the world size, names it)."""
     records = {}
-    for r in range(world_size):
-        rec = CollectiveRecord.read(str(run_dir / f"record{r}.json"))
-        if rec is not None:
-            records[r] = rec
+    for path in sorted(Path(run_dir).glob("record*.json")):
+        rank = path.stem.removeprefix("record")
+        if rank.isdigit() and (rec := CollectiveRecord.read(str(path))) is not None:
+            records[int(rank)] = rec
     return records
 
 
