@@ -57,10 +57,10 @@ def _notebook(path: Path) -> None:
             "metadata": {},
             "execution_count": None,
             "outputs": [],
-            "source": ["import labkit\n", "import labkit.course.quiz\n", "import labkit.course.widgets"],
+            "source": ["import labkit\n", "from labkit.course import lab02"],
         }
     ]
-    cells += _lab_cells("labkit.course.widgets.memory_calculator(", "labkit.course.quiz.show(")
+    cells += _lab_cells("lab02.widgets.memory_calculator(", "lab02.quiz.show(")
     for i, c in enumerate(cells):
         c["id"] = f"cell{i}"
         c["outputs"], c["execution_count"] = [], None

@@ -331,10 +331,8 @@ def launch(
 # in each client's `SocketImpl` and in the server's `LibUVStoreDaemon::onConnect`, which runs in this
 # process). The ranks connect over the IPv4-mapped ::ffff:127.0.0.1, which glibc's files backend does not
 # match against /etc/hosts' 127.0.0.1, so each is a reverse DNS query; where the resolver drops one, glibc
-# asks again after resolv.conf(5)'s default timeout of 5 s, and the store serves no rank meanwhile (strace
-# on the course's 2-core VM: 2 of 12 launches of 8 ranks stalled 5.1 s, in three runs out of three; with
-# timeout:1, 1.1 s, and the second answer arrives, so nothing is printed). A launch asks glibc to retry
-# after 1 s, unless RES_OPTIONS is set.
+# asks again after resolv.conf(5)'s default timeout of 5 s, and the store serves no rank meanwhile: a launch
+# stalls 5 s. A launch asks glibc to retry after 1 s instead, unless RES_OPTIONS is set.
 _RESOLVER_OPTIONS = "timeout:1"
 
 
