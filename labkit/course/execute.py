@@ -17,7 +17,14 @@ ZMQError tracebacks. Its event loop logs nothing either (`_QUIET_ASYNCIO`). Nor 
 print its errors (`_QuietErrors`): each is what `Execution` reports (a dead kernel, a cell over its limit),
 and "Kernel died while waiting for execute reply." printed beside the one line of an interrupted run, when
 Ctrl-C's SIGINT reached the kernel before the client saw it (nbclient logs it with no handler configured, so
-Python's last-resort handler wrote it to stderr)."""
+Python's last-resort handler wrote it to stderr).
+
+The kernel's own stderr goes to a file beside the executed copy (`<out>.kernel-stderr.txt`, removed when
+empty), not to this process's: ipykernel echoes every write to its file descriptor 2 there (`OutStream`'s
+`_watch_pipe_fd`, "to capture errors in terminals"), and when the SIGINT that jupyter_client sends before
+shutting a kernel down lands inside torch's C++ (an import, a hook), C++ ends the kernel with std::terminate's
+two lines ("terminate called after throwing an instance of 'pybind11::error_already_set'"), which stood
+beside the one line of an interrupted `labkit run`."""
 
 from __future__ import annotations
 
@@ -70,6 +77,18 @@ _QUIET_ASYNCIO = (
 )
 
 
+def _kernel_manager(stderr_path: Path) -> type:
+    """nbclient's kernel manager, starting the kernel with its stderr in `stderr_path` (module docstring)."""
+    from jupyter_client import AsyncKernelManager
+
+    class KernelManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+            with open(stderr_path, "ab") as stderr:  # the kernel has its own copy once it has started
+                await super()._async_launch_kernel(kernel_cmd, **{**kw, "stderr": stderr})
+
+    return KernelManager
+
+
 class _QuietErrors(logging.Filter):
     """Drops the papermill logger's ERROR records (its warnings pass): see the module docstring."""
 
@@ -95,6 +114,7 @@ def execute(
     quiet = _QuietErrors()
     papermill_log = logging.getLogger("papermill")
     papermill_log.addFilter(quiet)
+    kernel_stderr = out.with_name(f"{out.stem}.kernel-stderr.txt")
     try:
         papermill.execute_notebook(
             str(path),
@@ -107,6 +127,7 @@ def execute(
             log_output=False,
             allow_errors=allow_errors,
             extra_arguments=["--IPKernelApp.log_level=CRITICAL", _QUIET_ASYNCIO],
+            kernel_manager_class=_kernel_manager(kernel_stderr),
         )
     except KeyboardInterrupt:
         # the event loop's tasks that Ctrl-C cut short are collected later and would each log a traceback
@@ -131,6 +152,8 @@ def execute(
         )
     finally:
         papermill_log.removeFilter(quiet)
+        if kernel_stderr.exists() and kernel_stderr.stat().st_size == 0:
+            kernel_stderr.unlink()
     return Execution(out, True, time.perf_counter() - t0)
 
 

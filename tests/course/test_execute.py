@@ -58,3 +58,21 @@ def test_a_kernel_that_dies_is_reported_in_the_execution_not_printed_by_papermil
     ran = proc.stdout.split()
     assert proc.returncode == 0 and ran == ["False", "DeadKernelError"], proc.stdout + proc.stderr
     assert "Kernel died" not in proc.stderr, proc.stderr
+
+
+def test_what_a_kernel_writes_to_its_stderr_as_it_ends_is_kept_beside_the_run_not_printed(
+    tmp_path: Path, labkit_env
+):
+    """A kernel that C++ ends with std::terminate, as one did when the SIGINT jupyter_client sends before a
+    shutdown landed inside torch: ipykernel echoes its file descriptor 2 to the stderr it started with, so
+    the two lines stood beside `labkit run`'s one line after Ctrl-C; they go to a file beside the executed
+    copy."""
+    nb = nbformat.v4.new_notebook()
+    line = "terminate called after throwing an instance of 'pybind11::error_already_set'\\n"
+    source = f'import os, time\nos.write(2, b"{line}")\ntime.sleep(1)  # echoed meanwhile\nos.abort()'
+    nb.cells = [nbformat.v4.new_code_cell(source)]
+    nbformat.write(nb, tmp_path / "terminates.ipynb")
+    proc = _drive(_DEAD_DRIVER, tmp_path / "terminates.ipynb", tmp_path, labkit_env)
+    assert proc.stdout.split() == ["False", "DeadKernelError"], proc.stdout + proc.stderr
+    assert "terminate called" not in proc.stderr, proc.stderr
+    assert "terminate called" in (tmp_path / "out.kernel-stderr.txt").read_text()
