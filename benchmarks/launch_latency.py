@@ -1,8 +1,8 @@
 """Benchmark: how fast `labkit.launch` reacts when a run goes wrong, medians over several runs (wall clock).
 
-The unit tests (tests/test_launcher.py, tests/test_torchrun.py) check which mechanism ends each failing
-run, from what the error says; none of them reads the wall clock. How soon each one fires depends on the
-machine and its load, so it is measured here, as medians, against the bounds the course promises:
+The unit tests (tests/machine/test_launcher.py, tests/machine/test_torchrun.py) check which mechanism ends
+each failing run, from what the error says; none of them reads the wall clock. How soon each one fires depends
+on the machine and its load, so it is measured here, as medians, against the bounds the course promises:
 
     python3 benchmarks/launch_latency.py               # 3 runs of each case, a table
     python3 benchmarks/launch_latency.py --check       # exit 1 when a median misses its bound

@@ -1,8 +1,10 @@
 """Fixtures shared by several test modules (a test module never imports another one; what they share is here).
 
-The tree mirrors the package: `tests/<package>/test_<module>.py` tests `labkit/<package>/<module>.py`, and
-`tests/test_<module>.py` a top-level module. No test asserts on the wall clock (the emulated cluster's virtual
-time is a model output and may be asserted); how fast things are is measured by `benchmarks/`.
+The tree mirrors the package's three homes: `tests/<package>/test_<module>.py` tests
+`labkit/<package>/<module>.py` (`tests/machine/`, `tests/course/`, `tests/parallel/`, ...),
+`tests/test_<module>.py` a top-level module, and `tests/labs/` each lab's notebook. No test asserts on the
+wall clock (the emulated cluster's virtual time is a model output and may be asserted); how fast things are is
+measured by `benchmarks/`.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ BUDGET=600   # a lent node's 10 minutes: the worst case must fit
 STEPS=(
   "preflight|45|versions (torch, CUDA, NCCL), nvidia-smi, labkit.machine._torch_compat.problems(), labkit doctor"
   "rows|60|tests/gpu_rows.py: the one-rank rows at the labs' GPU sizes"
-  "core|60|tests/test_launcher.py tests/test_bandwidth.py tests/trace/test_capture.py tests/test_memory.py"
+  "core|60|tests/machine/test_launcher.py tests/test_bandwidth.py tests/trace/test_capture.py tests/test_memory.py"
   "lab00|45|tests/labs/test_00_cluster_tour.py"
   "lab01|55|tests/labs/test_01_parallelism_choice.py"
   "lab02|65|tests/labs/test_02_oom_batch.py"

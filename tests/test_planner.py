@@ -1,7 +1,7 @@
 """labkit.planner: its rejections with the values, its agreement with `labkit.memory.estimate`, the tensor-
 parallel all-reduce time, and its choices on Megatron-LM's configurations. Layouts on paper:
 tests/test_layout.py; every layout trained on the emulated cluster:
-tests/experiments/test_parallelism_choice.py."""
+tests/course/experiments/test_parallelism_choice.py."""
 
 from __future__ import annotations
 

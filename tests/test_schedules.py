@@ -1,6 +1,6 @@
 """labkit.schedules: ideal schedules run against their dependencies: the simulated bubble is the formula's
 (labkit.pipeline_plan), 1F1B holds p - rank micro-batches where GPipe holds m, interleaving shrinks the
-bubble by v. The pipeline explorer that draws them: tests/test_widgets.py."""
+bubble by v. The pipeline explorer that draws them: tests/course/test_widgets.py."""
 
 from __future__ import annotations
 

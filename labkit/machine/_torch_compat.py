@@ -3,7 +3,7 @@
 torch keeps no promise about names that start with an underscore, so they are fenced
 here: each is listed in `INTERNALS` with what labkit uses it for and the torch releases it
 is known to work on, and `problems()` says, naming the internal and the running torch
-version, which of them is missing or has changed. `tests/test_torch_compat.py` runs it, so
+version, which of them is missing or has changed. `tests/machine/test_torch_compat.py` runs it, so
 a torch upgrade that breaks one fails a test with that name instead of somewhere deep
 inside a lab. The rest of the package imports the wrappers below, never `torch._*`,
 `torch.utils._*` or `torch.distributed._*` directly.
@@ -283,7 +283,7 @@ def _cheaper_cache_key_mode() -> type:
     out: it is a function of the shape and strides. Anything else (another mode's tensor, a constant, a
     sparse tensor, a symbolic size, a non-tensor) goes through torch's own method, which also decides when
     the cache is bypassed.
-    `tests/test_torch_compat.py` runs a training step with torch's cross-check of every cache hit."""
+    `tests/machine/test_torch_compat.py` runs a training step with torch's cross-check of every cache hit."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     class CheaperCacheKeyMode(FakeTensorMode):

@@ -42,7 +42,7 @@ def test_the_notebook_on_two_simulated_ranks_fixes_the_straggler_and_says_the_le
     run_solution, tmp_path
 ):
     """cluster="sim:dgx-h100" on 2 ranks (13 s; a DGX node's 8: 48 s, where per-tensor all-reduces show too,
-    as tests/experiments/test_unprofiled_run.py checks at 8 ranks): the traces name the straggler on either
+    as tests/course/experiments/test_unprofiled_run.py checks at 8 ranks): the traces name the straggler on either
     rank and its fix moves the step by x0.80, which misses the course's 0.8 there; the notebook says so and
     names world_size = 8, instead of a pass, and labels every number simulated."""
     rec = run_solution(LAB, cluster="sim:dgx-h100", world_size=2, trace_steps=2)

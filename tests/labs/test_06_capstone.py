@@ -1,6 +1,6 @@
 """Lab 06, the capstone: its notebook (seed 0: the batch does not fit, gradients all-reduced one by one, a
 slow tokenizer), its script under torchrun; both on a simulated node. Its check, `check_capstone`, is tested in
-tests/experiments/test_capstone_checks.py."""
+tests/course/experiments/test_capstone_checks.py."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_the_notebook_on_a_simulated_node_finds_and_fixes_the_oom_and_the_stragg
     memory formula and the knobs, so they run as anywhere; the jobs and the check run on two simulated H100s.
     The traces name the straggler, not the optimizer's .item()s on its CPU step counters, and its fix takes
     the step to the clean job's: 8.78 -> 7.04 ms, x0.80, a hair above the share target's 0.8 (4 ranks: x0.70).
-    The script does the same there (tests/experiments/test_capstone.py checks that it deals it; the suite's
+    The script does the same there (tests/course/experiments/test_capstone.py checks that it deals it; the suite's
     time keeps it to the notebook)."""
     rec = run_solution(LAB, cluster="sim:dgx-h100", steps=1, trace_steps=2)
     assert rec["found"] == ["oom_batch", "straggler"] and rec["oom_at_start"]

@@ -1,7 +1,7 @@
 """labkit.parallel.pipeline: GPT stages chained are the whole model, the naive even split puts the embedding
 first and the head last, stages map to ranks (interleaved too), schedules refuse what they cannot run, and
 a `StageLog` starts each step empty. Pipelining over the emulated cluster, timed and checked against one
-process: tests/experiments/test_imbalanced_pipeline.py."""
+process: tests/course/experiments/test_imbalanced_pipeline.py."""
 
 from __future__ import annotations
 

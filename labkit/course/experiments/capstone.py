@@ -60,10 +60,10 @@ MODEL = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=2048, seq_len=64
 # (c10/cuda/CUDACachingAllocator.cpp, kSmallBuffer and kLargeBuffer). Replayed through labkit's model of that
 # allocator, the default model's clean job reserves 28 MiB against its 22 MiB (it would run out on a card) and
 # the planted OOM only 30: no cap tells them apart. Four times the sequence, and some of a segment's slack on
-# top of the memory, do (tests/experiments/test_capstone_gpu.py: against 71.4 MiB the clean job reserves 54,
-# the whole batch in one micro-batch allocates 87, 17 and 16 MiB either side). The logged accuracy's gathered
-# logits reserved 66 or 82 MiB in two replays (where the completion thread frees them decides), so on GPUs,
-# where it is not dealt anyway, nothing is sized for it.
+# top of the memory, do (tests/course/experiments/test_capstone_gpu.py: against 71.4 MiB the clean job
+# reserves 54, the whole batch in one micro-batch allocates 87, 17 and 16 MiB either side). The logged
+# accuracy's gathered logits reserved 66 or 82 MiB in two replays (where the completion thread frees them
+# decides), so on GPUs, where it is not dealt anyway, nothing is sized for it.
 GPU_MODEL = dataclasses.replace(MODEL, seq_len=256)
 SEGMENT_SLACK_MIB = 10  # half a large segment (kLargeBuffer, 20 MiB) that a step's blocks may leave free
 # Exam mode: a file holding the instructor's secret, which `draw` mixes into the seed.
@@ -107,8 +107,8 @@ def dealt(
     per-tensor all-reduce either. The capstone's step is launch-bound there and three times lab 05's (two
     micro-batches, AdamW, a shared evaluation), and on its two ranks of a DGX H100 the 29 all-reduces, each
     about one host dispatch, add 0.39 ms to a 3.84 ms step: after/before 0.91 by
-    `labkit.course.forecast.job_forecast`, short of the course's 0.8 (tests/test_forecast.py, which also shows
-    every deal left showing). Lab 05, whose step is shorter, still draws it on GPUs.
+    `labkit.course.forecast.job_forecast`, short of the course's 0.8 (tests/course/test_forecast.py, which
+    also shows every deal left showing). Lab 05, whose step is shorter, still draws it on GPUs.
 
     On a simulated machine neither, as on GPUs, nor the tokenizer in the loop (host Python, which a simulated
     GPU does not time): every seed deals the OOM and the straggler there. On two simulated H100s the

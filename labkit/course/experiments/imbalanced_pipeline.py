@@ -411,8 +411,9 @@ class Params(LabParams):
     # On GPUs at d_model 64 every layer is launch-bound: the head costs about one block, more micro-batches
     # only cost more, and the fix slows the step (labkit.course.forecast.pipeline_forecast: after/before 1.6
     # on 4 stages). A 1024-wide model with a 32 K vocabulary makes the head a few blocks' work and each block
-    # compute-bound: after/before 0.69 on 4 stages and 0.58 on 8 of a DGX H100 (tests/test_forecast.py); on
-    # 2 stages the imbalance is too small to show (0.81), and the notebook says so
+    # compute-bound: after/before 0.69 on 4 stages and 0.58 on 8 of a DGX H100
+    # (tests/course/test_forecast.py); on 2 stages the imbalance is too small to show (0.81), and the notebook
+    # says so
     GPU_SIZES = {
         "n_layers": 16,
         "d_model": 1024,
@@ -433,10 +434,11 @@ class Params(LabParams):
 
     @classmethod
     def ranks_on(cls, gpus: int) -> int | None:
-        # The stage counts the forecast shows the lesson on at the GPU sizes (tests/experiments/test_params.py
-        # pins it): 4 and 8; 8 the most (the head is a larger share of a shorter stage), 2 too little, 16
-        # not at all (one block a stage: the head's stage alone sets the pace, after/limit 1.65). The naive
-        # run takes one micro-batch per stage, which must divide global_batch (32, 64 on GPUs): powers of two
+        # The stage counts the forecast shows the lesson on at the GPU sizes
+        # (tests/course/experiments/test_params.py pins it): 4 and 8; 8 the most (the head is a larger share
+        # of a shorter stage), 2 too little, 16 not at all (one block a stage: the head's stage alone sets the
+        # pace, after/limit 1.65). The naive run takes one micro-batch per stage, which must divide
+        # global_batch (32, 64 on GPUs): powers of two
         if gpus >= 8:
             return 8
         return 4 if gpus >= 4 else None

@@ -320,8 +320,8 @@ class Params(LabParams):
     # kLargeBuffer), so a step of this small model reserves some 10-18 MiB more than it allocates, and one
     # more CUDA-only tensor of a few MiB (a workspace, a cast cache, NCCL's buffers) takes a new 20 MiB
     # segment.
-    # Replayed through labkit's model of that allocator (tests/experiments/test_oom_batch_gpu.py and the
-    # notebook on CI's fake CUDA machine): the fixed step (autocast + checkpointing, micro-batch 32 x 2)
+    # Replayed through labkit's model of that allocator (tests/course/experiments/test_oom_batch_gpu.py and
+    # the notebook on CI's fake CUDA machine): the fixed step (autocast + checkpointing, micro-batch 32 x 2)
     # allocates 32 MiB and reserves 42, so a cap of 48 MiB (the one H200 run: "Tried to allocate 20.00 MiB")
     # leaves 6 MiB; 64 MiB leaves a large segment's 20 (labkit.machine.machine.LARGE_SEGMENT_BYTES), while the
     # step as written (171 MiB allocated) still runs out. 64 sequences per rank so that the fix still

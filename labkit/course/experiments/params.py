@@ -169,8 +169,8 @@ class LabParams:
     NOTEBOOK_SIMULATED: ClassVar[bool] = False
     # On a simulated machine (`cluster="sim:..."`), after GPU_SIZES, for the fields a lab has and left at
     # their default: after its first, every step of a simulated program takes the same modelled time, up to
-    # float rounding (no noise, no caches; tests/emulate/test_simulated_cluster.py), so one timed step there
-    # is the median of any number
+    # float rounding (no noise, no caches; tests/machine/emulate/test_simulated_cluster.py), so one timed step
+    # there is the median of any number
     SIMULATED_SIZES: ClassVar[Mapping[str, Any]] = {"steps": 1}
 
     # ----------------------------------------------------------------- checks

@@ -361,7 +361,7 @@ class Params(LabParams):
     GPT_FIXED = {"n_heads": 4, "vocab_size": 256}
     # fp32 on a GPU node: 256 tokens per rank against 400 M parameters' gradients, so that all-reducing
     # them costs about as much as the step's compute on NVLink (labkit.course.forecast.overlap_forecast and
-    # tests/test_forecast.py: on a DGX H100, after/before 0.73 on 4 ranks, 0.63 on 8; on 2, 0.87, too
+    # tests/course/test_forecast.py: on a DGX H100, after/before 0.73 on 4 ranks, 0.63 on 8; on 2, 0.87, too
     # little: the buckets' two extra passes over the gradients cost about what the hidden all-reduce
     # does, and the notebook says so and forecasts the whole node). The emulated sizes
     # (d_model 128, 12 x 64 tokens) would be launch-bound there, and the old suggestion (d_model 1024,
@@ -387,7 +387,7 @@ class Params(LabParams):
     def ranks_on(cls, gpus: int) -> int | None:
         # any count of 2 or more: each rank takes micro_batch sequences (no global batch to divide); the
         # all-reduce grows with the ranks, so the lesson shows on 4 and 8 and not on 2 (after/before 0.73,
-        # 0.63 and 0.87 on a DGX H100, labkit.course.forecast.overlap_forecast: tests/test_forecast.py)
+        # 0.63 and 0.87 on a DGX H100, labkit.course.forecast.overlap_forecast: tests/course/test_forecast.py)
         return gpus if gpus >= 2 else None
 
     def check(self) -> None:

@@ -80,7 +80,7 @@ class Params(LabParams):
     @classmethod
     def ranks_on(cls, gpus: int) -> int | None:
         # any count of 2 or more: each rank takes micro_batch sequences (the global batch is their sum), and
-        # its forecast shows the mistakes it draws on GPUs on 2 ranks and on 8 (tests/test_forecast.py)
+        # its forecast shows the mistakes it draws on GPUs on 2 ranks and on 8 (tests/course/test_forecast.py)
         return gpus if gpus >= 2 else None
 
     def check(self) -> None:
@@ -108,7 +108,7 @@ def kinds_left_out(
     lab's sizes a GPU's step is launch-bound (about 1.2 ms of host dispatch on a DGX H100) and all-gathering
     4 MiB of logits over NVLink takes some 15 us, so the fix moves nothing
     (`labkit.course.forecast.job_forecast`: after/before 1.01 on 2 ranks, 0.95 on 8; the other three
-    0.40-0.77, tests/test_forecast.py). Over the emulated link the same all-gather is most of the step.
+    0.40-0.77, tests/course/test_forecast.py). Over the emulated link the same all-gather is most of the step.
 
     Where a rank's time does not count host Python (`Machine.times_host_python`: a simulated machine), not the
     data loading, whose tokenizer is host Python. Where torch DDP cannot run (`Machine.torch_ddp`: a simulated
@@ -116,7 +116,7 @@ def kinds_left_out(
     in labkit's Python `OverlappedDDP` there (torch DDP's C++ reducer refuses tensors without storage), whose
     copies into and out of each bucket cost two host dispatches per gradient, which torch DDP's views into its
     buckets do not; on fewer ranks the 29 small all-reduces cost less than that
-    (tests/experiments/test_unprofiled_run.py measures it).
+    (tests/course/experiments/test_unprofiled_run.py measures it).
 
     `machine`: where the lab runs, which answers all of that. Without it, a machine on paper (the forecasts'
     tests, a script's `Where`): `on_gpu`, a GPU node; `simulated`, a simulated one of `world_size` ranks."""

@@ -6,7 +6,7 @@ the life of an LLM, from its architecture to deployment. This course covers one 
 several GPUs, within the area of GPU acceleration and optimization. `COVERED` maps that part's topics to the
 labs, their sections and the bank's question topics; `NOT_COVERED` names what a learner must study elsewhere.
 `SCOPE` is the one line the mock exam prints; `table()` is the map the README and the instructor guide show
-(tests/quiz/test_scope.py holds both documents to it).
+(tests/course/quiz/test_scope.py holds both documents to it).
 """
 
 from __future__ import annotations

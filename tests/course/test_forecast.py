@@ -1,6 +1,6 @@
 """labkit.course.forecast: each lab's lesson on paper, on a described GPU node, at its GPU defaults (labs 00,
 01, 03, 04, 05 and the capstone's timing; lab 02's memory on a card, and the capstone's, are replayed through
-the caching-allocator model in tests/experiments/test_oom_batch_gpu.py and test_capstone_gpu.py).
+the caching-allocator model in tests/course/experiments/test_oom_batch_gpu.py and test_capstone_gpu.py).
 
 The course's targets (after/before <= 0.8, after/limit <= 1.25; a bandwidth's inverted; a planted mistake's
 share) are asserted on the forecast of each lab's GPU defaults on a DGX H100 (one node: two ranks and all

@@ -120,7 +120,7 @@ def test_the_jobs_plant_one_mistake_each_and_the_diagnosis_fixes_only_its_own():
         assert not any(MISTAKES[m].planted_in(fixed) for m in MYSTERY_KINDS)
         assert run_name(fixed, clean) == ("clean" if fixed == clean else "fixed")
     # a host sync is the step's last wait in this job's timed steps: it cannot show on either cluster (and
-    # tests/test_forecast.py ties the GPU list to lab 05's forecast)
+    # tests/course/test_forecast.py ties the GPU list to lab 05's forecast)
     assert "host_sync" not in kinds_that_show(on_gpu=True) + kinds_that_show(on_gpu=False)
     # the machine answers what shows there; each mistake left out says why, for the notebook to print
     for machine in (Machine.resolve("cpu", 2), Machine.resolve("sim:dgx-h100", 2)):

@@ -1,6 +1,6 @@
 """labkit.course.quiz.bank: every question valid and pointing to a section that exists, the same seed the same
 paper, an exam over every topic, and grading that says why and where. Generated answers:
-test_generated.py; the quiz shown: test_show.py; `labkit quiz`: tests/test_cli.py."""
+test_generated.py; the quiz shown: test_show.py; `labkit quiz`: tests/course/test_cli.py."""
 
 from __future__ import annotations
 
