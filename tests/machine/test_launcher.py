@@ -473,7 +473,7 @@ def _spin(seconds: float) -> None:
         pass
 
 
-SOAK_LAUNCHES = int(os.environ.get("LABKIT_SOAK_LAUNCHES", "30"))
+SOAK_LAUNCHES = int(os.environ.get("LABKIT_SOAK_LAUNCHES", "10"))
 
 
 def test_many_launches_without_a_collective_never_fail_even_on_busy_cores():
