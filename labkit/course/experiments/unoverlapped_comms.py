@@ -380,8 +380,7 @@ class Params(LabParams):
         "its lesson is gradient communication between ranks: every GPU of the node, where it shows from "
         "4 on (one GPU: 2 emulated ranks)"
     )
-    # 3 timed steps, not 5: a median of 3 still ignores one slow step, and the targets keep their margins on
-    # the virtual clock (after/before 0.67 against 0.8, after/limit 1.03 against 1.25)
+    # 3 timed steps, not 5: a median of 3 still ignores one slow step
     TEST = {"cluster": "cpu", "steps": 3}
     SMOKE = {"n_layers": 2, "d_model": 32, "seq_len": 16, "micro_batch": 4, "steps": 2}
 
