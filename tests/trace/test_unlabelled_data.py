@@ -61,7 +61,11 @@ def _jobs(config: GPTConfig, trace_dir: str, batch: int) -> None:
     passes = max(1, round(1.5 * step_s / batch / ((time.thread_time() - t0) / 20)))
     passes = int(torch.tensor(passes).max())  # every rank alike (a local value is enough here)
 
-    loader = iter(torch.utils.data.DataLoader(_Texts(config, 4 * batch, passes), batch_size=batch))
+    # three traced steps: diagnose takes each rank's median step, and a median of two is their mean, which one
+    # step slowed by a busy runner pushed past the straggler ratio on the clean job
+    warmup, steps = 1, 3
+    texts = _Texts(config, (warmup + steps) * batch, passes)  # one batch per captured step
+    loader = iter(torch.utils.data.DataLoader(texts, batch_size=batch))
 
     def with_loader():
         train(*next(loader))
@@ -71,10 +75,8 @@ def _jobs(config: GPTConfig, trace_dir: str, batch: int) -> None:
         t = torch.stack(rows)
         train(t[:, :-1], t[:, 1:])
 
-    # three traced steps: diagnose takes each rank's median step, and a median of two is their mean, which one
-    # step slowed by a busy runner pushed past the straggler ratio on the clean job (1.69x, under pytest -n 3)
     for name, step in (("clean", lambda: train(x, y)), ("dataloader", with_loader), ("inline", inline)):
-        capture(step, steps=3, warmup=1, path=Path(trace_dir) / name / "trace_rank{rank}.json")
+        capture(step, steps=steps, warmup=warmup, path=Path(trace_dir) / name / "trace_rank{rank}.json")
 
 
 @pytest.mark.parametrize("d_model", [32, 96])
