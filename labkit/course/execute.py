@@ -24,11 +24,20 @@ empty), not to this process's: ipykernel echoes every write to its file descript
 `_watch_pipe_fd`, "to capture errors in terminals"), and when the SIGINT that jupyter_client sends before
 shutting a kernel down lands inside torch's C++ (an import, a hook), C++ ends the kernel with std::terminate's
 two lines ("terminate called after throwing an instance of 'pybind11::error_already_set'"), which stood
-beside the one line of an interrupted `labkit run`."""
+beside the one line of an interrupted `labkit run`. A kernel that fails before it answers (its error is in
+that file) is reported with the file's last line.
+
+The kernel talks to papermill over Unix domain sockets in a temporary folder (jupyter_client's "ipc"
+transport), not TCP: jupyter_client picks free TCP ports, closes them and writes them to the connection file,
+and the kernel binds them later; in between, a rank's gloo or TCPStore listener took one (a full suite here:
+"ZMQError: Address already in use (addr='tcp://127.0.0.1:60951')"), and the kernel, which cannot exit while
+its other sockets stay open, never answered ("Kernel didn't respond in 60 seconds")."""
 
 from __future__ import annotations
 
 import logging
+import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,16 +86,32 @@ _QUIET_ASYNCIO = (
 )
 
 
-def _kernel_manager(stderr_path: Path) -> type:
-    """nbclient's kernel manager, starting the kernel with its stderr in `stderr_path` (module docstring)."""
+def _kernel_manager(stderr_path: Path, sockets: str) -> type:
+    """nbclient's kernel manager, starting the kernel with its stderr in `stderr_path` and its sockets in the
+    folder `sockets` (module docstring; TCP where Unix domain sockets are missing)."""
     from jupyter_client import AsyncKernelManager
 
     class KernelManager(AsyncKernelManager):
+        def __init__(self, **kw: Any) -> None:
+            if sys.platform != "win32":
+                # an absolute path: the client and the kernel (started in the notebook's cwd) meet there
+                kw = {"transport": "ipc", "ip": str(Path(sockets) / "kernel"), **kw}
+            super().__init__(**kw)
+
         async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
             with open(stderr_path, "ab") as stderr:  # the kernel has its own copy once it has started
                 await super()._async_launch_kernel(kernel_cmd, **{**kw, "stderr": stderr})
 
     return KernelManager
+
+
+def _last_line(path: Path) -> str:
+    """The last non-blank line of a text file; "" when there is none."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 class _QuietErrors(logging.Filter):
@@ -115,6 +140,7 @@ def execute(
     papermill_log = logging.getLogger("papermill")
     papermill_log.addFilter(quiet)
     kernel_stderr = out.with_name(f"{out.stem}.kernel-stderr.txt")
+    sockets = tempfile.TemporaryDirectory(prefix="labkit-kernel-")
     try:
         papermill.execute_notebook(
             str(path),
@@ -127,7 +153,7 @@ def execute(
             log_output=False,
             allow_errors=allow_errors,
             extra_arguments=["--IPKernelApp.log_level=CRITICAL", _QUIET_ASYNCIO],
-            kernel_manager_class=_kernel_manager(kernel_stderr),
+            kernel_manager_class=_kernel_manager(kernel_stderr, sockets.name),
         )
     except KeyboardInterrupt:
         # the event loop's tasks that Ctrl-C cut short are collected later and would each log a traceback
@@ -147,11 +173,14 @@ def execute(
         )
     except Exception as exc:  # a cell over its time limit, a kernel that died or never started
         first = str(exc).splitlines()[0] if str(exc) else ""  # whole: a grade's CSV keeps it so
+        if said := _last_line(kernel_stderr):
+            first += f" (the kernel's stderr, {kernel_stderr.name}, ends: {said})"
         return Execution(
             out, False, time.perf_counter() - t0, f"{type(exc).__name__}: {first}", type(exc).__name__, first
         )
     finally:
         papermill_log.removeFilter(quiet)
+        sockets.cleanup()
         if kernel_stderr.exists() and kernel_stderr.stat().st_size == 0:
             kernel_stderr.unlink()
     return Execution(out, True, time.perf_counter() - t0)

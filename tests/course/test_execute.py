@@ -76,3 +76,52 @@ def test_what_a_kernel_writes_to_its_stderr_as_it_ends_is_kept_beside_the_run_no
     assert proc.stdout.split() == ["False", "DeadKernelError"], proc.stdout + proc.stderr
     assert "terminate called" not in proc.stderr, proc.stderr
     assert "terminate called" in (tmp_path / "out.kernel-stderr.txt").read_text()
+
+
+def test_the_kernel_talks_over_unix_sockets_in_a_folder_removed_after(tmp_path: Path, kernel_finds_labkit):
+    """No TCP ports: jupyter_client picks free ports, closes them and lets the kernel bind them later, and in
+    a full suite a rank's gloo listener took one in between (the kernel then hung on "Address already in
+    use"). The kernel gets its sockets in a temporary folder, which is gone after the run."""
+    import tempfile
+
+    from labkit.course.execute import execute
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from ipykernel import get_connection_info\n"
+            "info = get_connection_info(unpack=True)\n"
+            "print(info['transport'], info['ip'])"
+        )
+    ]
+    nbformat.write(nb, tmp_path / "transport.ipynb")
+    before = set(Path(tempfile.gettempdir()).glob("labkit-kernel-*"))
+    done = execute(tmp_path / "transport.ipynb", tmp_path / "out.ipynb")
+    assert done.ok, done.error
+    transport, ip = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[0].outputs[0].text.split()
+    assert transport == "ipc" and Path(ip).is_absolute() and not Path(ip).parent.exists()
+    assert set(Path(tempfile.gettempdir()).glob("labkit-kernel-*")) == before
+
+
+def test_a_kernel_that_fails_before_it_answers_is_reported_with_its_stderrs_last_line(
+    tmp_path: Path, monkeypatch, kernel_finds_labkit
+):
+    """A kernel that dies while it starts (as one did on a port taken by another process) said only "Kernel
+    died before replying to kernel_info"; its own last word, kept in the stderr file, is in the error."""
+    import json
+
+    from labkit.course.execute import execute
+
+    spec = tmp_path / "jupyter" / "kernels" / "fails"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, "-c", "import sys; sys.exit('zmq.error.ZMQError: Address already in use')"]
+    kernel_json = {"argv": argv, "display_name": "fails", "language": "python"}
+    (spec / "kernel.json").write_text(json.dumps(kernel_json))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("1")]
+    nbformat.write(nb, tmp_path / "any.ipynb")
+    done = execute(tmp_path / "any.ipynb", tmp_path / "out.ipynb", kernel="fails")
+    assert not done.ok
+    said = "zmq.error.ZMQError: Address already in use"
+    assert done.error.endswith(f"(the kernel's stderr, out.kernel-stderr.txt, ends: {said})"), done.error
