@@ -24,14 +24,14 @@ empty), not to this process's: ipykernel echoes every write to its file descript
 `_watch_pipe_fd`, "to capture errors in terminals"), and when the SIGINT that jupyter_client sends before
 shutting a kernel down lands inside torch's C++ (an import, a hook), C++ ends the kernel with std::terminate's
 two lines ("terminate called after throwing an instance of 'pybind11::error_already_set'"), which stood
-beside the one line of an interrupted `labkit run`. A kernel that fails before it answers (its error is in
-that file) is reported with the file's last line.
+beside the one line of an interrupted `labkit run`. A run that fails outside a cell's own error (a kernel that
+died or never answered, a cell over its limit) names the file's last line, where such a kernel left its cause.
 
 The kernel talks to papermill over Unix domain sockets in a temporary folder (jupyter_client's "ipc"
 transport), not TCP: jupyter_client picks free TCP ports, closes them and writes them to the connection file,
-and the kernel binds them later; in between, a rank's gloo or TCPStore listener took one (a full suite here:
-"ZMQError: Address already in use (addr='tcp://127.0.0.1:60951')"), and the kernel, which cannot exit while
-its other sockets stay open, never answered ("Kernel didn't respond in 60 seconds")."""
+and the kernel binds them later; another process (a rank's gloo or TCPStore listener on an ephemeral port)
+can take one in between, and the kernel then stops at "ZMQError: Address already in use" without answering
+("Kernel didn't respond in 60 seconds")."""
 
 from __future__ import annotations
 
