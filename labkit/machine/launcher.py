@@ -36,6 +36,7 @@ What each rank runs, from start to exit, is `labkit.machine.worker`; inside a ra
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -283,6 +284,7 @@ def launch(
     cluster: Cluster | str = "auto",
     timeout_s: float = 30.0,
     deadline_s: float | None = None,
+    alike: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results in rank order.
@@ -290,11 +292,16 @@ def launch(
     `cluster`: "auto" (NCCL if this machine has enough GPUs, else emulated), "cpu", "gpu",
     or a `labkit.Cluster`. `timeout_s` bounds every collective and the rendezvous;
     `deadline_s` (None: none) bounds the whole run, so that a rank stuck outside any
-    collective (a loop that never ends) is stopped and named too.
+    collective (a loop that never ends) is stopped and named too. `alike=True` says every rank runs the
+    same operators (data and tensor parallelism, no pipeline): on a simulated cluster one process then runs
+    rank 0 and stands for the others, whose results are copies of its own (`labkit.machine.emulate.alike`);
+    elsewhere it changes nothing.
     Raises `RankError` when a rank raises, dies or hangs; bad arguments raise before any
     process starts.
     """
     _validate(fn, timeout_s)
+    if not isinstance(alike, bool):
+        raise ValueError(f"alike={alike!r} must be True or False; e.g. launch(fn, world_size=8, alike=True)")
     if deadline_s is not None:
         validate.positive_number("deadline_s", deadline_s, "launch(fn, deadline_s=60), in seconds, or None")
     if isinstance(cluster, Cluster) and cluster.kind == "described":  # planning only: resolve says so
@@ -324,7 +331,10 @@ def launch(
         ) from exc
 
     with _quick_name_lookups():
-        return _start_and_supervise(payload, world_size, resolved, float(timeout_s), deadline_s)
+        results = _start_and_supervise(
+            payload, world_size, resolved, float(timeout_s), deadline_s, alike and resolved.is_simulated
+        )
+    return results + [copy.deepcopy(results[0]) for _ in range(world_size - len(results))]
 
 
 # torch's TCPStore names the address of every connection it makes (c10d `formatSockAddr` -> `getnameinfo`,
@@ -353,15 +363,25 @@ def _quick_name_lookups() -> Iterator[None]:
 
 
 def _start_and_supervise(
-    payload: bytes, world_size: int, resolved: Cluster, timeout_s: float, deadline_s: float | None
+    payload: bytes,
+    world_size: int,
+    resolved: Cluster,
+    timeout_s: float,
+    deadline_s: float | None,
+    alike: bool = False,
 ) -> list[Any]:
-    """Start the ranks around a store of this process, supervise them, and clean up (`launch`)."""
+    """Start the ranks around a store of this process, supervise them, and clean up (`launch`). With
+    `alike`, rank 0 alone, in a world of `world_size`: its result alone comes back."""
     ctx = _mp_context()
+    processes = 1 if alike else world_size
     run_dir = Path(tempfile.mkdtemp(prefix="labkit-launch-"))
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=float(timeout_s))
     )
     env = dict(os.environ)
+    env.pop(emulate.ALIKE_ENV, None)
+    if alike:
+        env[emulate.ALIKE_ENV] = "1"
     # collectives on NCCL: not on the emulated cluster, nor on CI's fake CUDA machine (emulated backend)
     nccl = not (resolved.is_emulated or resolved.is_fake_cuda)
     if nccl:  # NCCL's flight recorder: what a hang or a skipped collective leaves to read
@@ -383,19 +403,19 @@ def _start_and_supervise(
                 env,
             ),
         )
-        for r in range(world_size)
+        for r in range(processes)
     ]
     try:
         for p in procs:
             p.start()
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
-        outcomes = _supervise(procs, run_dir, world_size, float(timeout_s), deadline, nccl=nccl)
+        outcomes = _supervise(procs, run_dir, processes, float(timeout_s), deadline, nccl=nccl)
     except BaseException:
         _stop(procs, grace_s=0.5)
         raise
     finally:
         _stop(procs)
-        _print_logs(run_dir, world_size, sys.stdout)
+        _print_logs(run_dir, processes, sys.stdout)
         for p in procs:
             with contextlib.suppress(Exception):
                 p.close()

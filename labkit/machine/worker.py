@@ -201,8 +201,8 @@ def main(
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
-        if status == 0:
-            _leave_together(store, rank, world_size, timeout_s)
+        if status == 0:  # one process for alike ranks (emulate/alike.py): none to wait for
+            _leave_together(store, rank, 1 if os.environ.get(emulate.ALIKE_ENV) else world_size, timeout_s)
             with contextlib.suppress(Exception):
                 emulate.close_groups()
         # Leave without interpreter teardown: completion threads and gloo sockets still

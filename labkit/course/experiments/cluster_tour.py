@@ -68,7 +68,7 @@ class Params(LabParams):
 def headline(w: Where, p: Params) -> LabRecords:
     """Lab 00's records: bus bandwidth of the smallest and largest message, against the link's bandwidth."""
     sizes = [int(k * 1024) for k in p.sizes_kib]
-    rows = w.launch(bandwidth_test, sizes, iters=p.iters, timeout_s=p.timeout_s)[0]
+    rows = w.launch(bandwidth_test, sizes, iters=p.iters, timeout_s=p.timeout_s, alike=True)[0]
     if w.emulated:
         assert isinstance(w.cluster, Cluster)
         link = w.cluster.topology().rail_ring(list(range(w.world_size)))

@@ -427,6 +427,7 @@ def headline(w: Where, p: Params) -> LabRecords:
         bucket_cap_mb=p.bucket_cap_mb,
         timeout_s=p.timeout_s,
         cluster=counting,
+        alike=True,  # data-parallel ranks: one process stands for them on a simulated node
     )
     after = w.launch(
         dp_train,
@@ -438,6 +439,7 @@ def headline(w: Where, p: Params) -> LabRecords:
         bucket_cap_mb=p.bucket_cap_mb,
         timeout_s=p.timeout_s,
         cluster=limited,
+        alike=True,
     )
     before_mib, after_mib = max(r.peak_mib for r in before), max(r.peak_mib for r in after)
     return LabRecords(

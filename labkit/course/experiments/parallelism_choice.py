@@ -608,6 +608,7 @@ def headline(w: Where, p: Params) -> LabRecords:
                 warmup=1,
                 timeout_s=p.timeout_s,
                 deadline_s=p.timeout_s * 3,
+                alike=layout.pp == 1,  # without a pipeline every rank runs the same operators
             )
         )
 

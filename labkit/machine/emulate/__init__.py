@@ -6,6 +6,7 @@
 * `clock.py`: `VirtualClock`, the time a rank's emulated GPU would show (main-thread CPU
   time plus time spent waiting), one per rank process;
 * `timing.py`: when a collective completes, on the virtual clock (default) or the wall clock;
+* `alike.py`: one process standing for ranks that run the same operators on a simulated machine;
 * `budget.py`: `MemoryBudget`, a per-rank memory limit that raises a CUDA-like OOM;
 * `simulated_device.py`: `SimulatedDevice`, a simulated machine's GPU: each operator on tensors
   without storage timed on the described GPU (`labkit.op_time`), memory held to the card's.
@@ -13,6 +14,7 @@
 `labkit.machine.rank_setup` sets these up on each rank; `labkit.launch` reads the records.
 """
 
+from labkit.machine.emulate.alike import ALIKE_ENV, NotAlikeError
 from labkit.machine.emulate.allocator import CachingAllocator
 from labkit.machine.emulate.budget import MemoryBudget, active_budget
 from labkit.machine.emulate.clock import CLOCK_ENV, VirtualClock, rank_clock
@@ -31,6 +33,7 @@ from labkit.machine.emulate.record import CollectiveRecord, diagnose_hang, read_
 from labkit.machine.emulate.simulated_device import OpTimes, SimulatedDevice, active_simulated_device
 
 __all__ = [
+    "ALIKE_ENV",
     "BACKEND_NAME",
     "CLOCK_ENV",
     "RECORD_DIR_ENV",
@@ -39,6 +42,7 @@ __all__ = [
     "CollectiveRecord",
     "EmulatedProcessGroup",
     "MemoryBudget",
+    "NotAlikeError",
     "OpTimes",
     "SimulatedDevice",
     "VirtualClock",

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from labkit.links import Link, Topology, collective_time_s
 from labkit.machine import _torch_compat as compat
+from labkit.machine.emulate.alike import ALIKE_ENV, AlikePeers, AlikeTiming
 from labkit.machine.emulate.clock import CLOCK_ENV, rank_clock
 from labkit.machine.emulate.record import CollectiveRecord
 from labkit.machine.emulate.simulated_device import active_simulated_device
@@ -393,17 +394,21 @@ class _AllWork:
 def _create_emulated_pg(opts, backend_options) -> EmulatedProcessGroup:
     """Backend creator registered with torch.distributed (extended API: gets global ranks)."""
     topology = topology_from_env()
-    inner = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     record_dir = os.environ.get(RECORD_DIR_ENV)
     path = None
     if record_dir and ranks == list(range(int(os.environ.get("WORLD_SIZE", opts.group_size)))):
         path = os.path.join(record_dir, f"record{opts.group_rank}.json")  # the world group only
-    timing = (
-        VirtualTiming(opts.store, opts.group_rank, opts.group_size, rank_clock())
-        if os.environ.get(CLOCK_ENV, "virtual") in ("virtual", "simulated")
-        else WallTiming()
-    )
+    inner: Any
+    if os.environ.get(ALIKE_ENV):  # one process stands for alike ranks (alike.py): no peer to meet
+        inner, timing = AlikePeers(opts.group_rank, opts.group_size), AlikeTiming(rank_clock())
+    else:
+        inner = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+        timing = (
+            VirtualTiming(opts.store, opts.group_rank, opts.group_size, rank_clock())
+            if os.environ.get(CLOCK_ENV, "virtual") in ("virtual", "simulated")
+            else WallTiming()
+        )
     pg = EmulatedProcessGroup(
         inner, opts.group_rank, opts.group_size, ranks, topology, opts.timeout, path, timing
     )
