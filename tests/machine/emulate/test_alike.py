@@ -21,17 +21,18 @@ def _tensor_parallel_step() -> dict:
     mine = pairs[rank // 2]
     x, w = torch.empty(4096, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
     start = timer.clock()
+    kept = []  # no tensor is freed: when a freed one's memory comes back is not what is compared here
     for size in (1, 64, 4096):
-        y = x @ w
-        dist.all_reduce(y[:size], group=mine)
+        kept.append(x @ w)
+        dist.all_reduce(kept[-1][:size], group=mine)
         work = dist.all_reduce(x, async_op=True)  # overlaps the next matmul
-        y = y @ w
+        kept.append(kept[-1] @ w)
         work.wait()
     out = torch.empty(world * 4096, 4096, dtype=torch.bfloat16)
     dist.all_gather_into_tensor(out, x)
     dist.barrier()
-    # the peak before the objects: after the gather, every rank as a process peaks 100 bytes higher (world x the
-    # pickle's 25 bytes: the real tensors' all-gather through gloo), one process for all does not
+    # the peak before the objects: after the gather, every rank as a process peaks 100 bytes higher (world x
+    # the pickle's 25 bytes: the real tensors' all-gather through gloo), one process for all does not
     peak = device_memory.max_memory_allocated()
     seen: list = [None] * world
     dist.all_gather_object(seen, {"world": world})  # pickled objects travel as real bytes
