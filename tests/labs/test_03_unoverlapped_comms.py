@@ -39,7 +39,8 @@ def test_the_script_on_a_simulated_dgx_h100_node_shows_the_lesson(simulated_lab)
     hide the all-reduces under backward, as the course's targets ask (after/before <= 0.8, after/limit <=
     1.25); nothing numeric is checked there (max_abs_diff None). A simulated operator costs its dispatch, not
     its size, so the blocks set the time: 8 took 54 s on the 2-core VM, 4 take 28 s, at the same after/before
-    (0.77; compute and gradient bytes both halve)."""
+    (0.77; compute and gradient bytes both halve); one process for the eight alike ranks (launch's alike),
+    11 s."""
     rec = simulated_lab(LAB, 8, "--set", "n_layers", "4")
     assert rec["where"] == "simulated H100-SXM5-80GB" and rec["params"]["d_model"] == 2048
     assert rec["params"]["steps"] == 1  # SIMULATED_SIZES: a simulated step repeats exactly

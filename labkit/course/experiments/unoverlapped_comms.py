@@ -410,6 +410,7 @@ def headline(w: Where, p: Params) -> LabRecords:
         trace_modes=["naive", "overlapped"],
         trace_dir=str(Path(p.trace_dir).resolve()),
         timeout_s=p.timeout_s,
+        alike=True,  # data-parallel ranks: on a simulated node one process stands for them (rank 0's traces)
     )
     s = summarize_steps(run)
     own = s["overlapped"].compute_ms  # the step less its waits, on the virtual clock; else compute alone
