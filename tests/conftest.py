@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import labkit.course  # noqa: F401  # first: jsonschema without rfc3987-syntax's grammars (its __init__)
+
 # The kernels papermill starts in the tests print quizzes as text (labkit.course.quiz.show), as `labkit run`
 # does.
 os.environ.setdefault("LABKIT_TEXT_ONLY", "1")
