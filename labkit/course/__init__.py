@@ -4,6 +4,8 @@ cells), the one papermill runner, grading, the runs and their report (the record
 
 import sys
 
+__all__: list[str] = []
+
 # nbformat validates notebooks with jsonschema, whose format checkers import rfc3987-syntax where it is
 # installed (jupyter-events requires jsonschema[format-nongpl]). That package builds about 35 Earley parsers
 # for the "iri" formats when it is imported: 2.5 s of CPU on the 2-core VM in every `labkit run`, `labkit
