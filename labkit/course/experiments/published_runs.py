@@ -197,21 +197,20 @@ def carried_to_layers(
     cluster: Cluster,
     blocks: tuple[int, int] | None,
     timeout_s: float = 30.0,
-    alike: bool = True,
 ) -> list[dict[str, float]]:
     """Each rank's `fn(config, *args)` measures at `config`'s blocks: simulated whole (`blocks` None, or a
     model no deeper than them), or carried along the line through runs with `blocks` blocks (each block is the
     same work: times, bytes and peaks are linear in the blocks). Both block counts run in one launch, one
     after the other on each rank (`_in_turn`), the second on the rank's warm caches (its imports,
-    FakeTensorMode's cache of operators' outputs) rather than on a new process's cold ones. `alike`: one
-    process stands for all ranks (`labkit.launch`), as they all run the same operators."""
+    FakeTensorMode's cache of operators' outputs) rather than on a new process's cold ones. One
+    process stands for all ranks (`labkit.launch`'s alike), as they all run the same operators."""
     if blocks is None or config.n_layers <= max(blocks):
         configs = [config]
     else:
         configs = [replace(config, n_layers=n) for n in blocks]
     # alike: each row's ranks (tensor parallelism inside one node, or FSDP over it) run the same operators
     per_rank = launcher.launch(
-        _in_turn, fn, configs, *args, world_size=world_size, cluster=cluster, timeout_s=timeout_s, alike=alike
+        _in_turn, fn, configs, *args, world_size=world_size, cluster=cluster, timeout_s=timeout_s, alike=True
     )
     if len(configs) == 1:
         return [runs[0] for runs in per_rank]
