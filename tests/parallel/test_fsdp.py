@@ -129,7 +129,8 @@ def test_fsdp_runs_a_model_plain_data_parallelism_cannot_hold_on_a_simulated_h10
     world = 2
     plain = memory.estimate(model=LARGE, dp=world, zero_stage=0, checkpointing=True, foreach=True)
     assert plain.params + plain.grads + plain.optimizer > 80 * 2**30  # states alone do not fit
-    sharded = launch(_large_step, LARGE, False, world_size=world, cluster=sim, timeout_s=120)
+    # the two ranks shard alike: one process stands for both (launch(alike=True): the same peaks and clocks)
+    sharded = launch(_large_step, LARGE, False, world_size=world, cluster=sim, timeout_s=120, alike=True)
     # What the planner predicts for this layout on two such GPUs: ZeRO-3 (FSDP), checkpointing, micro-batch 1
     two_gpus = replace(Cluster.preset("dgx-h100"), gpus_per_node=world)
     plan = planner.plan(
