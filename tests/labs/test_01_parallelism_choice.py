@@ -96,11 +96,13 @@ def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_s
     lab_matches_solution(LAB)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_the_script_under_torchrun(torchrun_lab, check_common, n):
-    proc, rec = torchrun_lab(LAB, n)
+def test_the_script_under_torchrun(torchrun_lab, check_common):
+    # two ranks, the three layouts expect() names there; torchrun's wall-clock ranks check the plumbing, not
+    # the lesson: four ranks' layouts run in the notebook on a simulated node (test above), eight on the
+    # emulated cluster, and two torchrun agents in the test below
+    proc, rec = torchrun_lab(LAB, 2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    expect(rec, check_common, torchrun=True, world_size=n)
+    expect(rec, check_common, torchrun=True, world_size=2)
 
 
 def test_two_nodes_under_torchrun_count_the_bytes_that_cross_between_them(tmp_path):

@@ -75,11 +75,12 @@ def test_the_lab_notebook_is_its_solution_up_to_the_first_exercise(lab_matches_s
     lab_matches_solution(LAB)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_the_script_under_torchrun(torchrun_lab, check_common, n):
-    proc, rec = torchrun_lab(LAB, n)
+def test_the_script_under_torchrun(torchrun_lab, check_common):
+    # four stages, the lab's default; torchrun's wall-clock ranks check the plumbing, not the lesson: two
+    # stages run on the emulated cluster in tests/course/experiments/test_imbalanced_pipeline.py
+    proc, rec = torchrun_lab(LAB, 4)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    expect(rec, check_common, torchrun=True, world_size=n)
+    expect(rec, check_common, torchrun=True, world_size=4)
 
 
 _DP = ("    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]", "    return sizes[::-1]")
