@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (pyproject's `-n 3`), each worker gets a temp folder of its own, inherited by the
+    """Under pytest-xdist (pyproject's `-n 2`), each worker gets a temp folder of its own, inherited by the
     kernels and ranks it starts: the labs write traces to the default temp folder (`labkit.trace.capture`),
     and two notebooks capturing at once must not read each other's files."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -36,8 +36,8 @@ def pytest_configure(config):
     folder.mkdir(exist_ok=True)
     os.environ["TMPDIR"] = str(folder)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    # Three workers share the runner's two cores: one intra-op thread in each and in the kernels and ranks it
-    # starts (launched ranks set their own count), so three busy workers run three OpenMP threads, not six.
+    # Each worker has one of the runner's two cores: one intra-op thread in it and in the kernels and ranks
+    # it starts (launched ranks set their own count), so two busy workers never spin four OpenMP threads.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
