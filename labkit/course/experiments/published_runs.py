@@ -203,12 +203,12 @@ def carried_to_layers(
     same work: times, bytes and peaks are linear in the blocks). Both block counts run in one launch, one
     after the other on each rank (`_in_turn`), the second on the rank's warm caches (its imports,
     FakeTensorMode's cache of operators' outputs) rather than on a new process's cold ones. One
-    process stands for all ranks (`labkit.launch`'s alike), as they all run the same operators."""
+    process stands for all ranks (`labkit.launch`'s alike): each row's ranks (tensor parallelism inside one
+    node, or FSDP over it) run the same operators."""
     if blocks is None or config.n_layers <= max(blocks):
         configs = [config]
     else:
         configs = [replace(config, n_layers=n) for n in blocks]
-    # alike: each row's ranks (tensor parallelism inside one node, or FSDP over it) run the same operators
     per_rank = launcher.launch(
         _in_turn, fn, configs, *args, world_size=world_size, cluster=cluster, timeout_s=timeout_s, alike=True
     )
