@@ -1,7 +1,8 @@
 """Benchmark: lab 03's headline ratios against the issue's targets, medians over several runs.
 
-The lab's own check uses wide margins (after/before <= 0.9, after/limit <= 1.5) so that a busy
-machine does not fail a learner's run; the course's targets are tighter and are measured here:
+The lab's own check holds after/limit <= 1.25 and asks the fix to take off at least half of what
+overlapping can take off in that run (its bound follows the run's balance of compute and links, which
+another CPU or a shared host moves); the course's fixed targets are measured here, as medians:
 
     python3 benchmarks/lab03_ratios.py             # 3 papermill runs with the lab's defaults
     python3 benchmarks/lab03_ratios.py --check     # exit 1 unless median after/before <= 0.8

@@ -14,13 +14,19 @@ LAB = "03_unoverlapped_comms"
 
 
 def expect(rec: dict[str, Any], check_common, *, torchrun: bool = False, world_size: int = 2) -> None:
-    """Lab 03's records, wherever they were measured. On the emulated cluster's virtual clock the times are a
-    model output, so the course's targets hold on a loaded runner too; the traces and counts say why."""
+    """Lab 03's records, wherever they were measured. On the emulated cluster's virtual clock the step is near
+    its limit and, where the run leaves the lesson room (max(compute alone, communication alone) at most 0.8 of
+    the naive step), the fix takes off at least half of what overlapping can take off: the balance of compute and
+    links is this run's, which another CPU or a shared host moves (`check_overlapped_step`). The traces show the
+    overlap whatever the balance."""
     check_common(rec, LAB, torchrun=torchrun, world_size=world_size)
     assert rec["unit"] == "ms" and rec["limit"] > 0
     assert rec["collectives_after"] < rec["collectives_before"] and rec["max_abs_diff"] < 1e-5
     if rec["emulated"]:
-        assert rec["after"] / rec["before"] <= 0.8 and rec["after"] / rec["limit"] <= 1.25
+        floor = max(rec["compute_ms"], rec["comm_ms"])
+        if floor / rec["before"] <= 0.8:
+            assert (rec["before"] - rec["after"]) / (rec["before"] - floor) >= 0.5
+        assert rec["after"] / rec["limit"] <= 1.25
         assert rec["overlap_pct_before"] < 5 < 50 < rec["overlap_pct_after"]
     if "comm_fits_under_backward" in rec:  # the notebook says whether the bucketed communication fits under
         # backward (about 2/3 of compute: 4 of the 6 FLOP per parameter and token), so whether the limit

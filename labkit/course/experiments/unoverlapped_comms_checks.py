@@ -2,7 +2,7 @@
 hooks in a shuffled order and name the mistake made (a bucket flushed again or out of order, gradients
 averaged twice, nothing reduced). `check_overlapped_step` is the lab's end-to-end check: the learner's class
 trained beside the naive step and torch DDP, the same parameters as one process's, and (on the emulated
-cluster) a step clearly faster than the naive one and near its limit.
+cluster) a step near its limit that takes off at least half of what overlapping can take off in that run.
 
 A learner who subclasses `labkit.OverlappedDDP` itself would inherit the answer (`super().flush(...)` passes
 every check). `OverlappedDDPExercise` raises `NotImplementedError` for exactly the methods the exercise asks
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labkit.course.forecast import TARGET_RATIO
 from labkit.course.training.overlapped import CourseOverlappedDDP
 from labkit.models import GPTConfig, seeded_model
 from labkit.parallel.data import Bucket
@@ -26,6 +27,7 @@ from labkit.parallel.data import Bucket
 __all__ = [
     "OVERLAP_MARGINS",
     "HookDrill",
+    "OverlapCheck",
     "OverlappedDDPExercise",
     "check_overlapped_ddp",
     "check_overlapped_step",
@@ -140,22 +142,80 @@ def check_overlapped_ddp(results: list[HookDrill], world_size: int) -> None:
         )
 
 
-# The end-to-end check's bounds on the emulated cluster, per clock: (after / before at most, after / limit at
-# most). On the virtual clock the course's targets hold as they are; on the wall clock
-# (Cluster.emulated(clock="wall")) a busy machine moves them, so the margins are wider there.
-OVERLAP_MARGINS = {"virtual": (0.8, 1.25), "wall": (0.9, 1.5)}
+# The end-to-end check's bounds on the emulated cluster, per clock: (the share, at least, of what overlapping
+# can take off that the fix takes off; after / limit at most). What overlapping can take off is the naive step
+# less max(compute alone, communication alone), both measured in the same launch. A fixed after / before would
+# move with the balance of compute and links, which the virtual clock does not hold still: the links are
+# scaled to a calibrated matmul rate, and compute is this run's own CPU time (another CPU, or a host shared
+# with other machines, computes slower than its calibration says). On the wall clock
+# (Cluster.emulated(clock="wall")) a busy machine moves the clocks themselves, so the margins are wider there.
+OVERLAP_MARGINS = {"virtual": (0.5, 1.25), "wall": (0.3, 1.5)}
+
+
+@dataclass(frozen=True)
+class OverlapCheck:
+    """Lab 03's end-to-end numbers (ms): the naive step, the overlapped one, the limit max(own compute,
+    bucketed communication alone), and the floor max(compute alone, bucketed communication alone) below which
+    no schedule of the naive step's work goes."""
+
+    before_ms: float
+    after_ms: float
+    limit_ms: float
+    floor_ms: float
+
+    @property
+    def ratio(self) -> float:
+        """after / before."""
+        return self.after_ms / self.before_ms
+
+    @property
+    def to_limit(self) -> float:
+        """after / limit."""
+        return self.after_ms / self.limit_ms
+
+    @property
+    def room(self) -> float:
+        """floor / before: at most the course's 0.8 where overlapping can take a fifth of the step off."""
+        return self.floor_ms / self.before_ms
+
+    @property
+    def won(self) -> float:
+        """The share of what overlapping can take off (before - floor) that the fix took off."""
+        room_ms = self.before_ms - self.floor_ms
+        return (self.before_ms - self.after_ms) / room_ms if room_ms > 0 else 0.0
+
+    def shows(self) -> bool:
+        """Whether this run leaves the lesson room to show: floor / before <= 0.8 (the course's target)."""
+        return self.room <= TARGET_RATIO
+
+    def summary(self, label: str) -> str:
+        """The line the notebook prints under the check."""
+        numbers = f"after/before = {self.ratio:.2f}, after/limit = {self.to_limit:.2f}"
+        if self.shows():
+            return (
+                f"check passed: {numbers}; the fix took off {self.won:.0%} of the "
+                f"{self.before_ms - self.floor_ms:.0f} ms that overlapping can take off ({label})"
+            )
+        return (
+            "the lesson does not show in this run: max(compute alone, communication alone) = "
+            f"{self.floor_ms:.0f} ms is {self.room:.2f} of the naive {self.before_ms:.0f} ms, and the "
+            f"course's target needs at most {TARGET_RATIO}: this run's compute was slow against the emulated "
+            "links, which are scaled to this CPU's calibrated matmul rate (labkit doctor prints it; another "
+            f"CPU, or a host shared with other machines, computes slower than it says). {numbers} ({label})"
+        )
 
 
 def check_overlapped_step(
     final: Mapping[str, Any], limit_ms: float, emulated: bool = True, clock: str = "virtual"
-) -> tuple[float, float]:
+) -> OverlapCheck:
     """Lab 03's end-to-end check on the re-measured modes, `final`: mode -> `ModeSummary`
-    (`summarize_steps`), with "naive", "overlapped" (your class) and "torch_ddp". Each trained the same
-    parameters as one process on the whole batch (within 1e-5), and torch DDP launched every bucket during
-    backward. On the emulated cluster (`emulated`, its `clock`) the overlapped step is also at most 0.8 x the
-    naive one and 1.25 x `limit_ms`, max(compute, bucketed communication) (`OVERLAP_MARGINS`; on GPUs the
-    notebook says instead whether the lesson shows there). Returns (after / before, after / limit).
-    AssertionError naming what failed, with the numbers and a hint."""
+    (`summarize_steps`), with "naive", "overlapped" (your class), "torch_ddp", "compute" and
+    "comm_overlapped". Each trained the same parameters as one process on the whole batch (within 1e-5), and
+    torch DDP launched every bucket during backward. On the emulated cluster (`emulated`, its `clock`) the
+    overlapped step is also at most 1.25 x `limit_ms`, max(compute, bucketed communication), and, where the
+    run leaves the lesson room to show (`OverlapCheck.shows`), it takes off at least half of what overlapping
+    can take off (`OVERLAP_MARGINS`; on GPUs the notebook says instead whether the lesson shows there).
+    Returns the numbers (`OverlapCheck`); AssertionError naming what failed, with the numbers and a hint."""
     diffs = {m: final[m].max_abs_diff for m in ("naive", "overlapped", "torch_ddp")}
     drifted = {m: d for m, d in diffs.items() if d is None or not d < 1e-5}
     if drifted:
@@ -165,29 +225,38 @@ def check_overlapped_step(
             f"per mode {shown}, at most 1e-5): every bucket must be all-reduced and averaged exactly once "
             "per step, and the step must wait for them (finish_gradient_synchronization) before the optimizer"
         )
-    before_ms, after_ms = final["naive"].step_ms, final["overlapped"].step_ms
-    ratio, to_limit = after_ms / before_ms, after_ms / limit_ms
+    result = OverlapCheck(
+        before_ms=final["naive"].step_ms,
+        after_ms=final["overlapped"].step_ms,
+        limit_ms=limit_ms,
+        floor_ms=max(final["compute"].step_ms, final["comm_overlapped"].step_ms),
+    )
     if emulated:
         if clock not in OVERLAP_MARGINS:
             raise ValueError(f"clock={clock!r} must be one of {', '.join(map(repr, OVERLAP_MARGINS))}")
-        max_ratio, max_to_limit = OVERLAP_MARGINS[clock]
-        if not ratio <= max_ratio:
-            raise AssertionError(
-                f"overlapped step {after_ms:.0f} ms is not clearly faster than naive {before_ms:.0f} ms "
-                f"(x{ratio:.2f}, at most x{max_ratio} on the {clock} clock); hint: are buckets launched "
-                "during backward (see the 'in backward' column), and is the machine busy with something else?"
-            )
-        if not to_limit <= max_to_limit:
-            raise AssertionError(
-                f"overlapped step {after_ms:.0f} ms is far from the limit {limit_ms:.0f} ms "
-                f"(x{to_limit:.2f}, at most x{max_to_limit} on the {clock} clock); hint: look at the "
-                "timeline after the fix: does communication start early in backward? Try bucket_cap_mb from "
-                "the sweep's valley."
-            )
+        _check_emulated(result, *OVERLAP_MARGINS[clock], clock)
     ddp = final["torch_ddp"]
     if ddp.in_backward != ddp.collectives:
         raise AssertionError(
             f"torch DDP launched {ddp.in_backward} of its {ddp.collectives} collectives per step during "
             "backward: it should launch every bucket there"
         )
-    return ratio, to_limit
+    return result
+
+
+def _check_emulated(r: OverlapCheck, min_won: float, max_to_limit: float, clock: str) -> None:
+    if r.shows() and not r.won >= min_won:
+        raise AssertionError(
+            f"overlapped step {r.after_ms:.0f} ms is not clearly faster than naive {r.before_ms:.0f} ms: "
+            f"it takes off {r.before_ms - r.after_ms:.0f} ms of the {r.before_ms - r.floor_ms:.0f} ms that "
+            f"overlapping can take off ({r.won:.0%}, at least {min_won:.0%} on the {clock} clock; "
+            f"max(compute alone, communication alone) is {r.floor_ms:.0f} ms); hint: are buckets launched "
+            "during backward (see the 'in backward' column)?"
+        )
+    if not r.to_limit <= max_to_limit:
+        raise AssertionError(
+            f"overlapped step {r.after_ms:.0f} ms is far from the limit {r.limit_ms:.0f} ms "
+            f"(x{r.to_limit:.2f}, at most x{max_to_limit} on the {clock} clock); hint: look at the "
+            "timeline after the fix: does communication start early in backward? Try bucket_cap_mb from "
+            "the sweep's valley."
+        )

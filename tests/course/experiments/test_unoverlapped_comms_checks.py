@@ -2,12 +2,11 @@
 leaves exactly the hook and the flush to the learner; driven with the hooks in a shuffled order on 2 emulated
 ranks, the reference passes the check, and a flush written as buckets fill up is named by it. Every wrong
 answer's hint, in a notebook: the exercise mutation tests. The end-to-end check, `check_overlapped_step`,
-passes a step that shows the lesson and names each way one can fail, refusing what the notebook's asserts
-refused before it had a home."""
+passes a step that shows the lesson and names each way one can fail; its bound follows the balance of compute
+and communication the run measured, and a run that leaves the lesson no room says so instead of failing."""
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -92,17 +91,53 @@ def _mode(step_ms, max_abs_diff=1e-7, in_backward=None, collectives=10):
     )
 
 
-def _final(naive=200.0, overlapped=120.0, **others):
+def _final(naive=200.0, overlapped=120.0, compute=90.0, comm=60.0, **others):
+    """Modes as `summarize_steps` gives them; by default overlapping can take off 200 - max(90, 60) ms."""
+
     def mode(m):
         return m if isinstance(m, SimpleNamespace) else _mode(m)
 
-    return {"naive": mode(naive), "overlapped": mode(overlapped), "torch_ddp": _mode(125.0), **others}
+    return {
+        "naive": mode(naive),
+        "overlapped": mode(overlapped),
+        "torch_ddp": _mode(125.0),
+        "compute": _mode(compute),
+        "comm_overlapped": _mode(comm),
+        **others,
+    }
 
 
 def test_the_end_to_end_check_passes_an_overlapped_step_near_its_limit():
-    assert check_overlapped_step(_final(), 100.0) == pytest.approx((0.6, 1.2))
-    assert check_overlapped_step(_final(overlapped=140.0), 100.0, clock="wall") == pytest.approx((0.7, 1.4))
-    assert check_overlapped_step(_final(overlapped=300.0), 100.0, emulated=False) == pytest.approx((1.5, 3.0))
+    checked = check_overlapped_step(_final(), 100.0)
+    assert (checked.ratio, checked.to_limit, checked.room) == pytest.approx((0.6, 1.2, 0.45))
+    assert checked.shows() and checked.won == pytest.approx(80 / 110)
+    assert checked.summary("emulated") == (
+        "check passed: after/before = 0.60, after/limit = 1.20; the fix took off 73% of the 110 ms that "
+        "overlapping can take off (emulated)"
+    )
+    assert check_overlapped_step(_final(overlapped=140.0), 100.0, clock="wall").won == pytest.approx(60 / 110)
+    assert check_overlapped_step(_final(overlapped=300.0), 100.0, emulated=False).ratio == pytest.approx(1.5)
+
+
+def test_the_bound_follows_the_balance_the_run_measured():
+    """Compute slow against the links (220 ms of compute beside 60 of communication): after / before is 0.81,
+    above the course's 0.8, yet the fix took off two thirds of the 87 ms that overlapping can take off."""
+    checked = check_overlapped_step(_final(naive=307.0, overlapped=250.0, compute=220.0), 240.0)
+    assert checked.ratio > 0.8 and checked.shows() and checked.won == pytest.approx(57 / 87)
+
+
+def test_a_run_that_leaves_the_lesson_no_room_says_so_and_still_holds_the_limit():
+    """max(compute, communication) at 0.85 of the naive step: less than a fifth to take off, so the share
+    taken off is not judged; the step is still held near its limit."""
+    final = _final(naive=200.0, overlapped=190.0, compute=170.0)
+    checked = check_overlapped_step(final, 180.0)
+    assert not checked.shows() and checked.room == pytest.approx(0.85)
+    assert checked.summary("emulated").startswith(
+        "the lesson does not show in this run: max(compute alone, communication alone) = 170 ms is 0.85 of "
+        "the naive 200 ms, and the course's target needs at most 0.8"
+    )
+    with pytest.raises(AssertionError, match=r"far from the limit 100 ms \(x1.90"):
+        check_overlapped_step(final, 100.0)
 
 
 @pytest.mark.parametrize(
@@ -111,9 +146,11 @@ def test_the_end_to_end_check_passes_an_overlapped_step_near_its_limit():
         (
             _final(overlapped=170.0),
             "virtual",
-            r"not clearly faster than naive 200 ms \(x0.85, at most x0.8 on",
+            r"not clearly faster than naive 200 ms: it takes off 30 ms of the 110 ms that overlapping can "
+            r"take off \(27%, at least 50% on the virtual clock; max\(compute alone, communication alone\) "
+            r"is 90 ms\)",
         ),
-        (_final(overlapped=185.0), "wall", r"\(x0.93, at most x0.9 on the wall clock\); hint: are buckets"),
+        (_final(overlapped=180.0), "wall", r"\(18%, at least 30% on the wall clock; max"),
         (
             _final(naive=400.0, overlapped=130.0),
             "virtual",
@@ -139,33 +176,3 @@ def test_the_end_to_end_check_passes_an_overlapped_step_near_its_limit():
 def test_the_end_to_end_check_names_each_failure(final, clock, message):
     with pytest.raises(AssertionError, match=message):
         check_overlapped_step(final, 100.0, clock=clock)
-
-
-def test_the_end_to_end_check_refuses_what_the_notebooks_asserts_refused():
-    # solutions/03_unoverlapped_comms.ipynb's check cell before the check had a home
-    def asserts(final, limit_ms, emulated, clock):
-        diffs = {m: final[m].max_abs_diff for m in ("naive", "overlapped", "torch_ddp")}
-        assert all(d < 1e-5 for d in diffs.values())
-        after_ms, before_ms = final["overlapped"].step_ms, final["naive"].step_ms
-        if emulated:
-            max_ratio, max_to_limit = (0.8, 1.25) if clock == "virtual" else (0.9, 1.5)
-            assert after_ms / before_ms <= max_ratio and after_ms / limit_ms <= max_to_limit
-        assert final["torch_ddp"].in_backward == final["torch_ddp"].collectives
-
-    for naive, overlapped, diff, in_backward, emulated, clock in itertools.product(
-        [130.0, 150.0, 160.0, 200.0],
-        [100.0, 120.0, 125.0, 135.0, 150.0],
-        [1e-7, 1e-5],
-        [9, 10],
-        [True, False],
-        ["virtual", "wall"],
-    ):
-        final = _final(naive, overlapped, torch_ddp=_mode(125.0, diff, in_backward))
-        outcomes = []
-        for check in (asserts, check_overlapped_step):
-            try:
-                check(final, 100.0, emulated=emulated, clock=clock)
-                outcomes.append(False)
-            except AssertionError:
-                outcomes.append(True)
-        assert outcomes[0] == outcomes[1], (naive, overlapped, diff, in_backward, emulated, clock)
