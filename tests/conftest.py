@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import labkit.course  # noqa: F401  # first: jsonschema without rfc3987-syntax's grammars (its __init__)
+from labkit.machine import rank_server
 
 # The kernels papermill starts in the tests print quizzes as text (labkit.course.quiz.show), as `labkit run`
 # does.
@@ -26,11 +27,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (pyproject's `-n 2`), each worker gets a temp folder of its own, inherited by the
-    kernels and ranks it starts: the labs write traces to the default temp folder (`labkit.trace.capture`),
-    and two notebooks capturing at once must not read each other's files."""
+    """Each process that runs tests starts one rank server for itself and the kernels it starts
+    (`labkit.machine.rank_server`: a kernel's ranks then start without a fork server of its own importing
+    torch again). Under pytest-xdist (pyproject's `-n 2`), each worker also gets a temp folder of its own,
+    inherited by the kernels and ranks it starts: the labs write traces to the default temp folder
+    (`labkit.trace.capture`), and two notebooks capturing at once must not read each other's files."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker and getattr(config.option, "numprocesses", None):
+        return  # xdist's controller: its workers run the tests
     if not worker:
+        _serve_ranks(config)
         return
     folder = Path(tempfile.gettempdir()) / f"labkit-tests-{os.getuid()}-{worker}"
     folder.mkdir(exist_ok=True)
@@ -40,6 +46,13 @@ def pytest_configure(config):
     # it starts (launched ranks set their own count), so two busy workers never spin four OpenMP threads.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    _serve_ranks(config)
+
+
+def _serve_ranks(config) -> None:
+    server = rank_server.RankServer().__enter__()
+    os.environ[rank_server.ENV] = server.address
+    config.add_cleanup(lambda: server.__exit__(None, None, None))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from labkit.course.experiments.params import ParamError
     from labkit.course.report import write_report
     from labkit.course.runs import complete, new_run_dir, point_latest, run_context
+    from labkit.machine import rank_server
 
     root = _root(args.root)
     solutions = root / "solutions"
@@ -113,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ["LABKIT_TEXT_ONLY"] = "1"
     results: list[dict] = []
     try:
-        for i, nb in enumerate(notebooks, 1):
-            results.append(_run_lab(nb, f"[{i}/{len(notebooks)}]", per_lab.get(nb.stem, given), out, args))
+        with rank_server.serving():  # one fork server for every lab's ranks, not one per kernel
+            for i, nb in enumerate(notebooks, 1):
+                lab_params = per_lab.get(nb.stem, given)
+                results.append(_run_lab(nb, f"[{i}/{len(notebooks)}]", lab_params, out, args))
     except Interrupted as stop:
         results.append(_interrupted_entry(stop, given, per_lab))
         write_report(out, results, context=run_context(root, given["cluster"]))
@@ -268,6 +271,7 @@ def quiz(args: argparse.Namespace) -> int:
 def grade(args: argparse.Namespace) -> int:
     from labkit.course.experiments.capstone import EXAM_SECRET_ENV, exam_secret
     from labkit.course.grade import grade_folder, table, write_csv
+    from labkit.machine import rank_server
 
     os.environ["LABKIT_TEXT_ONLY"] = "1"
     if args.exam_secret:  # the kernels inherit it: each capstone is dealt again as its learner's was
@@ -275,7 +279,8 @@ def grade(args: argparse.Namespace) -> int:
     params = {"cluster": args.cluster, **_parse_params(args.param)}
     try:  # a folder without labs, a -p key no lab graded takes or a value one refuses: before any kernel
         exam_secret()  # an unreadable or empty secret file: said before any kernel starts
-        grades = grade_folder(args.folder, params, args.cell_timeout)
+        with rank_server.serving():  # one fork server for every notebook's ranks, not one per kernel
+            grades = grade_folder(args.folder, params, args.cell_timeout)
     except ValueError as exc:
         print(f"labkit grade: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -60,34 +60,11 @@ import torch.distributed as dist
 from labkit import validate
 from labkit.cluster import Cluster
 from labkit.errors import RankError
-from labkit.machine import emulate, flight_recorder, torchrun, worker
+from labkit.machine import emulate, flight_recorder, rank_server, torchrun, worker
 from labkit.machine.emulate import diagnose_hang
 
 __all__ = ["RankError", "launch"]
 
-# What every rank imports, imported once by the fork server instead: torch.distributed.pipelining pulls in
-# dynamo, and a rank that unpickles a lab's function imports its module, and so labkit's layers and FSDP;
-# paid per rank, that is seconds a launch on a few cores. Preloaded only on a CPU build, where nothing can
-# touch CUDA before the fork.
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "cloudpickle",
-    "labkit.machine.launcher",
-    "labkit.machine.worker",
-] + (
-    [
-        "torch.distributed.pipelining",
-        "torch.distributed.fsdp",
-        "labkit.memory",
-        "labkit.parallel",
-        "labkit.planner",
-        "labkit.trace",
-        "labkit.course.training",
-    ]
-    if torch.version.cuda is None
-    else []
-)
 _GRACE_S = 3.0  # what stragglers get beyond timeout_s once another rank has ended
 
 
@@ -103,10 +80,15 @@ class _Outcome:
     exitcode: int | None = None
 
 
-def _mp_context() -> mp.context.BaseContext:
+def _mp_context() -> Any:
+    """Where the ranks start from: the session's rank server (`rank_server`), else this process's own fork
+    server, which imports what every rank imports once (`rank_server.preload`)."""
+    served = rank_server.served_context()
+    if served is not None:
+        return served
     if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(rank_server.preload())
         _start_fork_server_deaf_to_ctrl_c()
         return ctx
     return mp.get_context("spawn")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import Cluster, RankError, launch
+from labkit.machine import rank_server
 
 CPU = "cpu"
 
@@ -304,15 +305,17 @@ def test_interrupt_stops_every_rank_and_next_launch_works(tmp_path):
 
 def test_script_without_main_guard_gets_told_how_to_fix_it(tmp_path):
     # Workers run a script's top level again (multiprocessing's rule); an unguarded launch
-    # there must end with the fix named, not with a hang or a recursive start.
+    # there must end with the fix named, not with a hang or a recursive start. A script starts its own fork
+    # server, as a user's does: not the test session's rank server (which runs no main module again).
     script = tmp_path / "unguarded.py"
     script.write_text("import labkit\nprint(labkit.launch(abs, 1, world_size=2, cluster='cpu'))\n")
+    env = {k: v for k, v in os.environ.items() if k != rank_server.ENV}
     proc = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr + proc.stdout
