@@ -9,6 +9,7 @@ measured by `benchmarks/`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -50,9 +51,9 @@ def pytest_configure(config):
 
 
 def _serve_ranks(config) -> None:
-    server = rank_server.RankServer().__enter__()
-    os.environ[rank_server.ENV] = server.address
-    config.add_cleanup(lambda: server.__exit__(None, None, None))
+    stack = contextlib.ExitStack()
+    stack.enter_context(rank_server.serving())
+    config.add_cleanup(stack.close)
 
 
 def pytest_collection_modifyitems(config, items):
